@@ -1,0 +1,12 @@
+"""pagedkv: a paged KV-cache memory manager, built chapter by chapter.
+
+GPU memory is claimed once as a pool and cut into uniform blocks (:mod:`pagedkv.allocator`);
+each sequence's page table maps token positions to scattered blocks (:mod:`pagedkv.page_table`);
+a manager grows, forks and frees sequences and plans the copies and slot mappings that kernels
+execute (:mod:`pagedkv.manager`).
+"""
+from . import backend
+from .errors import (BackendError, ConfigError, DoubleFree, InvalidBlock, OutOfBlocks,
+                     PagedKVError, SequenceExists, TokenIndexError, UnknownSequence)
+
+__version__ = "0.1.0"
