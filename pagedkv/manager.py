@@ -1,0 +1,454 @@
+"""The KV-cache manager: sequences that grow token by token, fork, and free their blocks.
+
+The manager plans; kernels move bytes. Every mutation returns what the device must do — the slots
+the new tokens' K/V go to, and the (src, dst) block copies that copy-on-write needs — and never
+touches KV data itself.
+
+State (one row per live sequence, rows kept dense: ``0 .. len(self) - 1``)::
+
+    _tables[row, j]  physical block of the row's logical block j; -1 past its last block
+    _lens[row]       tokens in the sequence
+    _cow[row]        the row's partly filled last block may be shared with another row, so
+                     the next write into it must check its reference count (copy-on-write)
+
+Invariants, checked by :meth:`KVCacheManager.audit` (with the allocator's own):
+
+* a block's reference count equals the number of page tables that map it;
+* a row maps exactly ``ceil(len / block_size)`` blocks, each at most once;
+* a row whose partly filled last block is shared has its ``_cow`` flag set.
+
+Only the partly filled last block of a sequence is ever written, so only it can need a copy; the
+``_cow`` flag lets the batched :meth:`step` skip reference-count checks for every row that has
+not forked since its last write.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .allocator import BlockAllocator
+from .errors import ConfigError, OutOfBlocks, SequenceExists, TokenIndexError, UnknownSequence
+from .page_table import PageTable, slots_of
+
+__all__ = ["KVCacheManager", "Plan", "StepPlan", "CacheStats"]
+
+_NO_COPIES = np.zeros((0, 2), dtype=np.int32)
+_NO_COPIES.flags.writeable = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one sequence's append asks of the device."""
+    slots: np.ndarray    # int32 [new tokens]: where each new token's K/V goes
+    copies: np.ndarray   # int32 [n, 2]: (src, dst) blocks to copy first (copy-on-write)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One decode step for a batch: every sequence in ``seq_ids`` gains one token."""
+    seq_ids: list            # batch order
+    slot_mapping: np.ndarray  # int32 [batch]: slot of each sequence's new token
+    block_tables: np.ndarray  # int32 [batch, max blocks]: -1 pads the shorter rows
+    seq_lens: np.ndarray      # int32 [batch]: lengths including the new token
+    copies: np.ndarray        # int32 [n, 2]: (src, dst) copy-on-write copies, done before writing
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    utilization: float              # used / total blocks
+    sequences: int
+    tokens: int                     # sum of sequence lengths (a shared token counts per owner)
+    stored_tokens: int              # token slots that hold data (a shared slot counts once)
+    internal_fragmentation: float   # unfilled slots in used blocks / slots in used blocks
+    shared_blocks: int              # blocks with more than one owner
+    blocks_saved_by_sharing: int    # blocks that copies would have needed: sum(refcount) - used
+    bytes_saved_by_sharing: int
+    largest_free_run: int           # longest run of adjacent free block ids
+    external_fragmentation: float   # 1 - largest_free_run / free blocks (0 when none is free)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Page tables for many sequences over one :class:`BlockAllocator`.
+
+    ``block_size`` is tokens per block; the allocator's ``block_bytes`` must be a whole number of
+    tokens. The manager must be the allocator's only user: its audit checks every reference count.
+    ``max_seqs`` and ``max_seq_len`` size the block-table array at the start; both grow (by
+    doubling) when exceeded, so they are hints, not limits.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, *, max_seqs: int = 64,
+                 max_seq_len: int = 64):
+        if not isinstance(allocator, BlockAllocator):
+            raise ConfigError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+                or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        block_size = int(block_size)
+        if allocator.block_bytes % block_size:
+            raise ConfigError(f"a block of {allocator.block_bytes} bytes does not hold a whole "
+                              f"number of tokens at {block_size} tokens per block")
+        if allocator.num_blocks * block_size >= 2**31:
+            raise ConfigError("the pool has 2**31 or more token slots; slots are int32")
+        if allocator.num_used:
+            raise ConfigError("the allocator already has blocks in use; a manager needs it whole")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.token_bytes = allocator.block_bytes // block_size
+        rows = max(1, int(max_seqs))
+        cols = max(1, _cdiv(int(max_seq_len), block_size))
+        self._tables = np.full((rows, cols), -1, dtype=np.int32)
+        self._lens = np.zeros(rows, dtype=np.int32)
+        self._cow = np.zeros(rows, dtype=bool)
+        self._ids: list = []          # row -> sequence id
+        self._row_of: dict = {}       # sequence id -> row
+        self._arange = np.arange(rows)
+
+    # ------------------------------------------------------------------ lookups
+    def _row(self, seq_id) -> int:
+        try:
+            return self._row_of[seq_id]
+        except KeyError:
+            raise UnknownSequence(f"unknown sequence {seq_id!r}") from None
+        except TypeError:
+            raise UnknownSequence(f"sequence ids must be hashable, got {seq_id!r}") from None
+
+    def __contains__(self, seq_id) -> bool:
+        try:
+            return seq_id in self._row_of
+        except TypeError:
+            return False
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def seq_ids(self) -> list:
+        """Live sequences, in batch (row) order."""
+        return list(self._ids)
+
+    def num_tokens(self, seq_id) -> int:
+        return int(self._lens[self._row(seq_id)])
+
+    def block_table(self, seq_id) -> np.ndarray:
+        """The sequence's physical blocks, logical order (int32 copy)."""
+        row = self._row(seq_id)
+        return self._tables[row, :_cdiv(int(self._lens[row]), self.block_size)].copy()
+
+    def page_table(self, seq_id) -> PageTable:
+        """A snapshot of the sequence's page table."""
+        row = self._row(seq_id)
+        n = int(self._lens[row])
+        return PageTable(self.block_size, self._tables[row, :_cdiv(n, self.block_size)].tolist(), n)
+
+    def slot(self, seq_id, token: int) -> int:
+        """Slot of token position ``token`` of ``seq_id``."""
+        return self.page_table(seq_id).slot(token)
+
+    def slots(self, seq_id) -> np.ndarray:
+        """Slots of all the sequence's tokens, in order (int32)."""
+        row = self._row(seq_id)
+        n = int(self._lens[row])
+        return slots_of(self._tables[row], np.arange(n), self.block_size)
+
+    # ------------------------------------------------------------------ capacity
+    def _grow_rows(self, need: int) -> None:
+        rows = self._tables.shape[0]
+        if need <= rows:
+            return
+        new = max(need, 2 * rows)
+        tables = np.full((new, self._tables.shape[1]), -1, dtype=np.int32)
+        tables[:rows] = self._tables
+        self._tables = tables
+        self._lens = np.concatenate([self._lens, np.zeros(new - rows, np.int32)])
+        self._cow = np.concatenate([self._cow, np.zeros(new - rows, bool)])
+        self._arange = np.arange(new)
+
+    def _grow_cols(self, need: int) -> None:
+        cols = self._tables.shape[1]
+        if need <= cols:
+            return
+        new = max(need, 2 * cols)
+        tables = np.full((self._tables.shape[0], new), -1, dtype=np.int32)
+        tables[:, :cols] = self._tables
+        self._tables = tables
+
+    def _copy_needed(self, row: int, length: int) -> int:
+        """Block id that must be copied before the row's next write, or -1."""
+        if self._cow[row] and length % self.block_size:
+            b = int(self._tables[row, length // self.block_size])
+            if self.allocator._ref[b] > 1:
+                return b
+        return -1
+
+    def blocks_needed(self, seq_id, n: int = 1) -> int:
+        """Free blocks an append of ``n`` tokens to ``seq_id`` would take (copies included)."""
+        row = self._row(seq_id)
+        n = self._check_count(n)
+        length = int(self._lens[row])
+        grow = _cdiv(length + n, self.block_size) - _cdiv(length, self.block_size)
+        return grow + (self._copy_needed(row, length) >= 0)
+
+    def can_append(self, seq_id, n: int = 1) -> bool:
+        return self.blocks_needed(seq_id, n) <= self.allocator.num_free
+
+    @staticmethod
+    def _check_count(n) -> int:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ConfigError(f"the number of tokens must be a positive integer, got {n!r}")
+        return int(n)
+
+    # ------------------------------------------------------------------ mutations
+    def add(self, seq_id, num_tokens: int = 0) -> Plan:
+        """Register a new sequence, optionally with ``num_tokens`` prompt tokens (prefill)."""
+        if seq_id in self:
+            raise SequenceExists(f"sequence {seq_id!r} already exists")
+        try:
+            hash(seq_id)
+        except TypeError:
+            raise ConfigError(f"sequence ids must be hashable, got {seq_id!r}") from None
+        if num_tokens:
+            num_tokens = self._check_count(num_tokens)
+            need = _cdiv(num_tokens, self.block_size)
+            if need > self.allocator.num_free:
+                raise OutOfBlocks(need, self.allocator.num_free, f"add {seq_id!r}")
+        row = len(self._ids)
+        self._grow_rows(row + 1)
+        self._ids.append(seq_id)
+        self._row_of[seq_id] = row
+        if num_tokens:
+            return self.append(seq_id, num_tokens)
+        return Plan(np.zeros(0, np.int32), _NO_COPIES)
+
+    def append(self, seq_id, n: int = 1) -> Plan:
+        """Append ``n`` tokens (1 for a decode step, the prompt length for a prefill).
+
+        All or nothing: raises :class:`OutOfBlocks` and changes nothing if the blocks (new ones
+        plus a copy-on-write copy) are not all free.
+        """
+        row = self._row(seq_id)
+        n = self._check_count(n)
+        bs = self.block_size
+        length = int(self._lens[row])
+        have, want = _cdiv(length, bs), _cdiv(length + n, bs)
+        src = self._copy_needed(row, length)
+        need = want - have + (src >= 0)
+        alloc = self.allocator
+        if need > alloc.num_free:
+            raise OutOfBlocks(need, alloc.num_free, f"append {n} to {seq_id!r}")
+        self._grow_cols(want)
+        table = self._tables[row]
+        copies = _NO_COPIES
+        if src >= 0:
+            dst = alloc.allocate()
+            alloc.free(src)          # drops our reference; the other owners keep the block
+            table[length // bs] = dst
+            copies = np.array([[src, dst]], dtype=np.int32)
+        self._cow[row] = False       # the last block is ours alone, or about to be a new one
+        if want > have:
+            table[have:want] = alloc.allocate_n(want - have)
+        self._lens[row] = length + n
+        return Plan(slots_of(table, np.arange(length, length + n), bs), copies)
+
+    def step(self, seq_ids=None) -> StepPlan:
+        """One decode step: every sequence in ``seq_ids`` (default: all, in row order) gains a
+        token. Builds the batch's slot mapping and block tables with NumPy, in one pass.
+
+        All or nothing: raises :class:`OutOfBlocks` and changes nothing if the new blocks and
+        copy-on-write copies the step needs are not all free.
+        """
+        bs, alloc = self.block_size, self.allocator
+        if seq_ids is None:
+            ids = list(self._ids)
+            n = len(ids)
+            rows = self._arange[:n]
+            pos = self._lens[:n].copy()
+            flagged = self._cow[:n]
+        else:
+            ids = list(seq_ids)
+            n = len(ids)
+            rows = np.fromiter((self._row(s) for s in ids), dtype=np.intp, count=n)
+            if len(set(ids)) != n:
+                raise ConfigError("a sequence appears more than once in one step")
+            pos = self._lens[rows]
+            flagged = self._cow[rows]
+        lblk, off = np.divmod(pos, bs)
+        fresh = off == 0                       # the token starts a new block
+        k = int(np.count_nonzero(fresh))
+        # Copy-on-write: only rows flagged since their last write can need a copy; walk them in
+        # Python (they are few), counting each block's references down as copies are made.
+        cow = []
+        if flagged.any():
+            ref = alloc._ref
+            left: dict[int, int] = {}
+            for i in np.flatnonzero(flagged).tolist():
+                if fresh[i]:
+                    continue
+                b = int(self._tables[rows[i], lblk[i]])
+                r = left.get(b, ref[b])
+                if r > 1:
+                    cow.append((i, b))
+                    left[b] = r - 1
+        if k + len(cow) > alloc.num_free:
+            raise OutOfBlocks(k + len(cow), alloc.num_free, f"step of {n} sequences")
+        # --- from here on nothing can fail
+        if n:
+            self._grow_cols(int(lblk.max()) + 1)
+        tables = self._tables
+        if k == n:
+            tables[rows, lblk] = alloc.allocate_n(k)
+        elif k:
+            sel = np.flatnonzero(fresh)
+            tables[rows[sel], lblk[sel]] = alloc.allocate_n(k)
+        copies = _NO_COPIES
+        if cow:
+            pairs = []
+            for i, src in cow:
+                dst = alloc.allocate()
+                alloc.free(src)
+                tables[rows[i], lblk[i]] = dst
+                pairs.append((src, dst))
+            copies = np.array(pairs, dtype=np.int32)
+        if seq_ids is None:
+            flagged[:] = False
+            self._lens[:n] += 1
+        else:
+            self._cow[rows] = False
+            self._lens[rows] += 1
+        slot_mapping = tables[rows, lblk] * bs + off
+        width = int(lblk.max()) + 1 if n else 0
+        block_tables = tables[rows, :width] if seq_ids is not None else tables[:n, :width].copy()
+        return StepPlan(ids, slot_mapping, block_tables, pos + 1, copies)
+
+    def fork(self, parent, *children) -> None:
+        """Each child starts as a copy of ``parent`` that shares all its blocks.
+
+        No bytes move now: the first write into the shared, partly filled last block gives the
+        writer its own copy (see the ``copies`` of :meth:`append` and :meth:`step`).
+        """
+        prow = self._row(parent)
+        if not children:
+            raise ConfigError("fork needs at least one child id")
+        if len(set(children)) != len(children):
+            raise SequenceExists("the same child id is given twice")
+        for c in children:
+            if c in self:
+                raise SequenceExists(f"cannot fork onto {c!r}: that sequence already exists")
+            try:
+                hash(c)
+            except TypeError:
+                raise ConfigError(f"sequence ids must be hashable, got {c!r}") from None
+        length = int(self._lens[prow])
+        nb = _cdiv(length, self.block_size)
+        self.allocator.share_n(self._tables[prow, :nb].tolist(), len(children))
+        first = len(self._ids)
+        self._grow_rows(first + len(children))
+        rows = slice(first, first + len(children))
+        self._tables[rows] = self._tables[prow]
+        self._lens[rows] = length
+        if length % self.block_size:
+            self._cow[prow] = True
+            self._cow[rows] = True
+        for i, c in enumerate(children):
+            self._ids.append(c)
+            self._row_of[c] = first + i
+
+    def free(self, seq_id) -> None:
+        """Release the sequence's blocks (shared ones lose one owner) and forget it."""
+        row = self._row(seq_id)
+        nb = _cdiv(int(self._lens[row]), self.block_size)
+        self.allocator.free_n(self._tables[row, :nb].tolist())
+        last = len(self._ids) - 1
+        if row != last:  # keep rows dense: move the last row into the hole
+            moved = self._ids[last]
+            self._tables[row] = self._tables[last]
+            self._lens[row] = self._lens[last]
+            self._cow[row] = self._cow[last]
+            self._ids[row] = moved
+            self._row_of[moved] = row
+        self._tables[last] = -1
+        self._lens[last] = 0
+        self._cow[last] = False
+        self._ids.pop()
+        del self._row_of[seq_id]
+
+    # ------------------------------------------------------------------ accounting
+    def _mapped(self):
+        """(mask of mapped table entries, number of blocks per row) for the live rows."""
+        n = len(self._ids)
+        nb = _cdiv(self._lens[:n].astype(np.int64), self.block_size)
+        cols = np.arange(self._tables.shape[1])
+        return cols[None, :] < nb[:, None], nb
+
+    def stats(self) -> CacheStats:
+        alloc, bs = self.allocator, self.block_size
+        n = len(self._ids)
+        mask, nb = self._mapped()
+        tables = self._tables[:n]
+        lens = self._lens[:n].astype(np.int64)
+        # how many tokens each mapped block holds: full, except each row's last
+        cols = np.arange(tables.shape[1])[None, :]
+        fill = np.where(cols == (nb - 1)[:, None], (lens - (nb - 1) * bs)[:, None], bs)
+        per_block = np.zeros(alloc.num_blocks, dtype=np.int64)
+        per_block[tables[mask]] = fill[mask]   # a shared block is written with equal fills
+        stored = int(per_block.sum())
+        ref = alloc.refcounts()
+        used = alloc.num_used
+        free_ids = np.sort(np.array(alloc._free, dtype=np.int64))
+        if len(free_ids):
+            breaks = np.flatnonzero(np.diff(free_ids) != 1)
+            runs = np.diff(np.concatenate([[-1], breaks, [len(free_ids) - 1]]))
+            largest = int(runs.max())
+        else:
+            largest = 0
+        saved = int(ref.sum()) - used
+        return CacheStats(
+            total_blocks=alloc.num_blocks, free_blocks=alloc.num_free, used_blocks=used,
+            utilization=used / alloc.num_blocks, sequences=n, tokens=int(lens.sum()),
+            stored_tokens=stored,
+            internal_fragmentation=(used * bs - stored) / (used * bs) if used else 0.0,
+            shared_blocks=int((ref > 1).sum()), blocks_saved_by_sharing=saved,
+            bytes_saved_by_sharing=saved * alloc.block_bytes, largest_free_run=largest,
+            external_fragmentation=1 - largest / len(free_ids) if len(free_ids) else 0.0)
+
+    def audit(self) -> None:
+        """Check every invariant; raise ``AssertionError`` naming the first one broken."""
+        alloc = self.allocator
+        alloc.audit()
+        n = len(self._ids)
+        assert len(self._row_of) == n, "id map and rows disagree in size"
+        for row, s in enumerate(self._ids):
+            assert self._row_of[s] == row, f"sequence {s!r} maps to the wrong row"
+        mask, nb = self._mapped()
+        tables = self._tables[:n]
+        mapped = tables[mask]
+        assert (self._lens[:n] >= 0).all(), "a negative length"
+        assert ((mapped >= 0) & (mapped < alloc.num_blocks)).all(), "a mapped id outside the pool"
+        assert (tables[~mask] == -1).all(), "an entry past a row's last block is not -1"
+        assert (self._tables[n:] == -1).all() and not self._lens[n:].any() \
+            and not self._cow[n:].any(), "a dead row is not cleared"
+        counts = np.bincount(mapped.astype(np.int64), minlength=alloc.num_blocks)
+        assert (counts == alloc.refcounts()).all(), \
+            "a block's reference count differs from the number of page tables mapping it"
+        ref = alloc.refcounts()
+        for row in range(n):
+            blocks = tables[row, :nb[row]]
+            assert len(np.unique(blocks)) == len(blocks), f"row {row} maps a block twice"
+            length = int(self._lens[row])
+            if length % self.block_size and ref[blocks[-1]] > 1:
+                assert self._cow[row], f"row {row}'s shared last block is not flagged"
+
+    def __repr__(self) -> str:
+        a = self.allocator
+        return (f"KVCacheManager({len(self)} sequences, block_size={self.block_size}, "
+                f"{a.num_used}/{a.num_blocks} blocks used)")

@@ -1,0 +1,99 @@
+"""The page table: where each of a sequence's tokens lives in the pool.
+
+A sequence's tokens are numbered 0, 1, 2, ... (logical positions). With ``block_size`` tokens per
+block, token ``t`` sits in logical block ``t // block_size`` at offset ``t % block_size``. The
+page table maps each logical block to a physical block id, wherever the allocator found one, so a
+sequence's blocks may lie anywhere in the pool, in any order.
+
+A token's *slot* is its index among all token positions of the pool::
+
+    slot = physical_block * block_size + offset
+
+which is what a kernel that writes K/V needs, and its *address* is
+``pool_base + physical_block * block_bytes + offset * token_bytes``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ConfigError, TokenIndexError
+
+__all__ = ["PageTable", "slots_of"]
+
+
+def slots_of(blocks: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Vectorized slot lookup: ``blocks[positions // block_size] * block_size + offset``.
+
+    ``blocks`` is one page table (logical block -> physical block); ``positions`` are token
+    positions already known to be in range. Returns int32 slots.
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    phys = np.asarray(blocks, dtype=np.int64)[positions // block_size]
+    return (phys * block_size + positions % block_size).astype(np.int32)
+
+
+class PageTable:
+    """Logical block index -> physical block id, for one sequence of ``num_tokens`` tokens."""
+
+    __slots__ = ("block_size", "blocks", "num_tokens")
+
+    def __init__(self, block_size: int, blocks=(), num_tokens: int = 0):
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+                or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = int(block_size)
+        self.blocks: list[int] = [int(b) for b in blocks]
+        if not 0 <= num_tokens <= len(self.blocks) * self.block_size:
+            raise ConfigError(f"{num_tokens} tokens do not fit in {len(self.blocks)} block(s) "
+                              f"of {self.block_size}")
+        self.num_tokens = int(num_tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the mapped blocks can hold."""
+        return len(self.blocks) * self.block_size
+
+    def append_block(self, block: int) -> None:
+        """Map the next logical block to physical ``block``."""
+        self.blocks.append(int(block))
+
+    def append_token(self) -> int:
+        """Count one more token; return its slot. The caller maps a block first when full."""
+        if self.num_tokens >= self.capacity:
+            raise TokenIndexError(f"no room for token {self.num_tokens}: the page table maps "
+                                  f"{self.num_blocks} block(s) = {self.capacity} tokens")
+        self.num_tokens += 1
+        return self.slot(self.num_tokens - 1)
+
+    def locate(self, token: int) -> tuple[int, int]:
+        """(physical block, offset in block) of token position ``token``."""
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) \
+                or not 0 <= token < self.num_tokens:
+            raise TokenIndexError(f"token index {token!r} is outside the sequence "
+                                  f"[0, {self.num_tokens})")
+        logical, offset = divmod(int(token), self.block_size)
+        return self.blocks[logical], offset
+
+    def slot(self, token: int) -> int:
+        block, offset = self.locate(token)
+        return block * self.block_size + offset
+
+    def slots(self) -> np.ndarray:
+        """The slots of every token, in order (int32)."""
+        return slots_of(np.asarray(self.blocks, dtype=np.int64), np.arange(self.num_tokens),
+                        self.block_size)
+
+    def token_address(self, token: int, pool_base: int, token_bytes: int) -> int:
+        """Address of token ``token``'s bytes in a pool starting at ``pool_base``."""
+        block, offset = self.locate(token)
+        return pool_base + (block * self.block_size + offset) * int(token_bytes)
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __repr__(self) -> str:
+        return f"PageTable({self.num_tokens} tokens, blocks={self.blocks})"
