@@ -1,0 +1,1 @@
+"""Pictures drawn by code: the pool, page tables, sharing, and the simulation's plots (matplotlib)."""
