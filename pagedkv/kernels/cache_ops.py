@@ -1,0 +1,213 @@
+"""Moving K/V bytes: ``write_kv`` scatters new tokens into their slots, ``copy_blocks`` copies
+whole blocks for copy-on-write. Both move bytes and do no arithmetic, so their speed limit is the
+GPU's memory bandwidth; the kernels below try to reach it.
+
+Layout (shared with the memory manager): one layer's cache is an array
+``[num_blocks, 2, block_size, kv_heads, head_dim]``; index 0 of axis 1 holds K, index 1 holds V.
+A *slot* is ``block * block_size + offset``; slot −1 means "padding, write nothing".
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..errors import ConfigError
+from ._common import check_cache, check_int32, is_cupy, kernel
+
+__all__ = ["write_kv", "write_kv_ref", "copy_blocks", "copy_blocks_ref", "CACHE_OPS_SOURCE"]
+
+CACHE_OPS_SOURCE = r"""
+// A GPU runs a kernel as a grid of thread blocks ("CTAs"); every thread runs the same function
+// and finds its own piece of work from its indices: threadIdx.x (0 .. blockDim.x-1 inside the
+// block) and blockIdx.x/.y (which block of the grid). Memory is fastest when the 32 threads of a
+// warp touch one contiguous stretch, and when each thread moves 16 bytes at once: the type
+// `Vec` below is such a chunk (uint4 = four 32-bit words), or a narrower one when a row is not a
+// multiple of 16 bytes. Neither kernel looks at the values: K and V are just bytes here.
+
+// write_kv: token t's K row and V row (kv_heads * head_dim elements each) go to its slot.
+//   k, v         [num_tokens][row_vecs]           the new keys and values
+//   slot_mapping [num_tokens]                      slot = block * block_size + offset, or -1
+//   cache        [num_blocks][2][block_size][row_vecs]
+// One thread copies one Vec of K and the same Vec of V; the grid covers tokens x row_vecs.
+template <typename Vec>
+__global__ void write_kv(const Vec* __restrict__ k, const Vec* __restrict__ v,
+                         const int* __restrict__ slot_mapping, Vec* __restrict__ cache,
+                         long long total, int row_vecs, int block_size) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // this thread's Vec
+    if (i >= total) return;                 // the last block of the grid may overhang
+    int token = (int)(i / row_vecs);        // which token
+    int c = (int)(i - (long long)token * row_vecs);  // which Vec of that token's row
+    int slot = slot_mapping[token];
+    if (slot < 0) return;                   // padding: nothing to write
+    long long block = slot / block_size, offset = slot % block_size;
+    // Row `offset` of the K half of `block`, then the same row of the V half, one block_size later.
+    long long k_row = (block * 2 * block_size + offset) * row_vecs;
+    long long v_row = k_row + (long long)block_size * row_vecs;
+    Vec kk = k[i], vv = v[i];               // both loads are issued before either store
+    cache[k_row + c] = kk;
+    cache[v_row + c] = vv;
+}
+
+// copy_blocks: for every pair (src, dst) and every layer, block dst becomes a copy of block src.
+//   caches  [layers]   the address of each layer's cache (all the same shape)
+//   pairs   [n][2]     (src, dst) block ids
+// blockIdx.x picks the pair, blockIdx.y the layer; the CTA's threads stride through the block's
+// block_vecs Vecs, UNROLL of them per thread per step so that several loads are in flight before
+// the first store (memory latency is ~1 microsecond: keep many requests waiting at once).
+template <typename Vec, int UNROLL>
+__global__ void copy_blocks(const unsigned long long* __restrict__ caches,
+                            const int* __restrict__ pairs, int block_vecs) {
+    Vec* cache = reinterpret_cast<Vec*>(caches[blockIdx.y]);
+    const Vec* src = cache + (long long)pairs[2 * blockIdx.x] * block_vecs;
+    Vec* dst = cache + (long long)pairs[2 * blockIdx.x + 1] * block_vecs;
+    const int step = blockDim.x * UNROLL;
+    for (int base = threadIdx.x; base < block_vecs; base += step) {
+        Vec buf[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {   // all loads first ...
+            int j = base + u * blockDim.x;
+            if (j < block_vecs) buf[u] = src[j];
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {   // ... then all stores
+            int j = base + u * blockDim.x;
+            if (j < block_vecs) dst[j] = buf[u];
+        }
+    }
+}
+"""
+
+_VEC_TYPES = ((16, "uint4"), (8, "uint2"), (4, "unsigned int"), (2, "unsigned short"))
+
+
+def _vec(row_bytes: int, *arrays) -> tuple[int, str]:
+    """The widest chunk (16, 8, 4 or 2 bytes) that divides a row and every array's address."""
+    for width, ctype in _VEC_TYPES:
+        if row_bytes % width == 0 and all(a.data.ptr % width == 0 for a in arrays):
+            return width, ctype
+    raise ConfigError(f"rows of {row_bytes} bytes cannot be copied in 2-byte units")
+
+
+# --------------------------------------------------------------------------- write_kv
+
+def _check_write(cache, k, v, slot_mapping):
+    dtype = check_cache(cache)
+    _, _, block_size, kv_heads, head_dim = cache.shape
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != 3 or tuple(a.shape[1:]) != (kv_heads, head_dim):
+            raise ConfigError(f"{name} must have shape [tokens, {kv_heads}, {head_dim}] to match "
+                              f"the cache, got {tuple(a.shape)}")
+        if a.dtype != cache.dtype:
+            raise ConfigError(f"{name} has dtype {a.dtype}, the cache {cache.dtype}")
+    if k.shape != v.shape:
+        raise ConfigError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    check_int32(slot_mapping, "slot_mapping", 1)
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ConfigError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
+                          f"{k.shape[0]} tokens")
+    return dtype
+
+
+def write_kv_ref(cache, k, v, slot_mapping):
+    """NumPy reference: ``cache[slot // B, 0, slot % B] = k[t]`` (and V) for every slot ≥ 0."""
+    _check_write(cache, k, v, slot_mapping)
+    num_blocks, _, block_size = cache.shape[:3]
+    slots = np.asarray(slot_mapping)
+    keep = slots >= 0
+    if np.any(slots[keep] >= num_blocks * block_size):
+        raise ConfigError(f"slot_mapping holds a slot ≥ {num_blocks * block_size} "
+                          f"(num_blocks * block_size)")
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    cache[blocks, 0, offsets] = k[keep]
+    cache[blocks, 1, offsets] = v[keep]
+    return cache
+
+
+def write_kv(cache, k, v, slot_mapping):
+    """Write ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` into ``cache`` at ``slot_mapping``.
+
+    Slots equal to −1 are skipped. Works on NumPy arrays (the reference) and on CuPy arrays (one
+    kernel launch). Returns ``cache``, modified in place.
+    """
+    if not is_cupy(cache):
+        return write_kv_ref(cache, k, v, slot_mapping)
+    cp = backend.xp
+    _check_write(cache, k, v, slot_mapping)
+    k, v = cp.ascontiguousarray(k), cp.ascontiguousarray(v)
+    slot_mapping = cp.ascontiguousarray(cp.asarray(slot_mapping))
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return cache
+    row_bytes = cache.shape[3] * cache.shape[4] * cache.itemsize
+    width, ctype = _vec(row_bytes, cache, k, v)
+    row_vecs = row_bytes // width
+    total = num_tokens * row_vecs
+    threads = 256
+    fn = kernel(CACHE_OPS_SOURCE, f"write_kv<{ctype}>")
+    fn(((total + threads - 1) // threads,), (threads,),
+       (k, v, slot_mapping, cache, np.int64(total), np.int32(row_vecs), np.int32(cache.shape[2])))
+    return cache
+
+
+# --------------------------------------------------------------------------- copy_blocks
+
+def _as_layers(cache):
+    layers = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    if not layers:
+        raise ConfigError("copy_blocks needs at least one cache")
+    first = layers[0]
+    if first.ndim < 1:
+        raise ConfigError("a cache must have a block axis (axis 0)")
+    for a in layers[1:]:
+        if a.shape != first.shape or a.dtype != first.dtype or type(a) is not type(first):
+            raise ConfigError("all layers' caches must have the same shape, dtype and array type; "
+                              f"got {tuple(first.shape)} {first.dtype} and {tuple(a.shape)} {a.dtype}")
+    return layers
+
+
+def _check_pairs(pairs, num_blocks: int) -> np.ndarray:
+    """Pairs come from the manager's plan (host memory): validate them on the host."""
+    p = backend.to_numpy(pairs)
+    check_int32(p, "pairs", 2)
+    if p.shape[1] != 2:
+        raise ConfigError(f"pairs must have shape [n, 2] of (src, dst), got {tuple(p.shape)}")
+    if p.size and (p.min() < 0 or p.max() >= num_blocks):
+        raise ConfigError(f"pairs hold a block id outside [0, {num_blocks})")
+    if len(np.unique(p[:, 1])) != len(p) or np.intersect1d(p[:, 0], p[:, 1]).size:
+        raise ConfigError("each destination block must appear once and never as a source "
+                          "(the copies run in parallel)")
+    return np.ascontiguousarray(p)
+
+
+def copy_blocks_ref(cache, pairs):
+    """NumPy reference: ``cache[dst] = cache[src]`` for each pair (and for each layer in a list)."""
+    layers = _as_layers(cache)
+    p = _check_pairs(pairs, layers[0].shape[0])
+    for layer in layers:
+        layer[p[:, 1]] = layer[p[:, 0]]
+    return cache
+
+
+def copy_blocks(cache, pairs):
+    """Copy block ``src`` onto block ``dst`` for every row of ``pairs`` (int32 ``[n, 2]``).
+
+    ``cache`` is one layer's cache or a list/tuple of them (one per layer); axis 0 is the block
+    axis. On the GPU all pairs of all layers are copied by one kernel launch. Destinations must be
+    distinct and must not be sources. Returns ``cache``.
+    """
+    layers = _as_layers(cache)
+    if not is_cupy(layers[0]):
+        return copy_blocks_ref(cache, pairs)
+    cp = backend.xp
+    p = _check_pairs(pairs, layers[0].shape[0])
+    if p.shape[0] == 0:
+        return cache
+    for a in layers:
+        if not a.flags.c_contiguous:
+            raise ConfigError("every cache must be C-contiguous")
+    block_bytes = layers[0].nbytes // layers[0].shape[0]
+    width, ctype = _vec(block_bytes, *layers)
+    ptrs = cp.asarray(np.array([a.data.ptr for a in layers], dtype=np.uint64))
+    fn = kernel(CACHE_OPS_SOURCE, f"copy_blocks<{ctype}, 4>")
+    fn((p.shape[0], len(layers)), (256,), (ptrs, cp.asarray(p), np.int32(block_bytes // width)))
+    return cache
