@@ -18,6 +18,7 @@ head_dim]``; ``block_tables`` int32 ``[batch, max_blocks]``; ``seq_lens`` int32 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -510,11 +511,11 @@ def choose_num_splits(work: int, max_len: int, slots: int, tile: int, row_bytes:
     return best
 
 
-def _decode_cupy(q, cache, block_tables, seq_lens, scale, out, num_splits, kv_dtype,
-                 nwarps=None, unroll=None):
-    cp = backend.xp
-    num_blocks, _, bs, kv_heads, d = cache.shape
-    batch, q_heads, _ = q.shape
+@functools.lru_cache(maxsize=256)
+def _plan(q_shape, cache_shape, itemsize, kv_dtype, max_blocks, num_splits, nwarps, unroll):
+    """Kernel, split count and split length for one problem shape (cached: decode steps repeat)."""
+    batch, q_heads, _ = q_shape
+    _, _, bs, kv_heads, d = cache_shape
     group = q_heads // kv_heads
     dw, du = _config(group, kv_dtype)
     nwarps, unroll = nwarps or dw, unroll or du
@@ -523,15 +524,26 @@ def _decode_cupy(q, cache, block_tables, seq_lens, scale, out, num_splits, kv_dt
                 f"paged_decode<{code}, {d}, {group}, {bs}, {nwarps}, {unroll}>")
     threads = nwarps * 32
     vec = 4 if kv_dtype == "float32" else 8
-    tpt = min(32, d // vec)
-    tile = nwarps * (32 // tpt) * unroll
-    max_len = block_tables.shape[1] * bs                 # an upper bound known without a sync
+    tile = nwarps * (32 // min(32, d // vec)) * unroll   # tokens per trip round the loop
+    max_len = max_blocks * bs                            # an upper bound known without a sync
     if num_splits is None:
         num_splits = choose_num_splits(batch * kv_heads, max_len,
                                        sm_count() * _ctas_per_sm(fn, threads), tile,
-                                       d * cache.itemsize, out_bytes=group * d * 4)
+                                       d * itemsize, out_bytes=group * d * 4)
     num_splits = max(1, min(int(num_splits), -(-max_len // tile)))
     split_tokens = -(-(-(-max_len // num_splits)) // tile) * tile
+    merge = kernel(PAGED_DECODE_SOURCE, f"merge_splits<{code}>") if num_splits > 1 else None
+    return fn, merge, threads, num_splits, split_tokens
+
+
+def _decode_cupy(q, cache, block_tables, seq_lens, scale, out, num_splits, kv_dtype,
+                 nwarps=None, unroll=None):
+    cp = backend.xp
+    batch, q_heads, d = q.shape
+    kv_heads = cache.shape[3]
+    fn, merge, threads, num_splits, split_tokens = _plan(
+        tuple(q.shape), tuple(cache.shape), cache.itemsize, kv_dtype, block_tables.shape[1],
+        num_splits, nwarps, unroll)
     q = cp.ascontiguousarray(q)
     block_tables = cp.ascontiguousarray(cp.asarray(block_tables))
     seq_lens = cp.ascontiguousarray(cp.asarray(seq_lens))
@@ -543,13 +555,12 @@ def _decode_cupy(q, cache, block_tables, seq_lens, scale, out, num_splits, kv_dt
         part_o = cp.empty((batch * q_heads * num_splits * d,), cp.float32)
         part_lse = cp.empty((batch * q_heads * num_splits,), cp.float32)
     else:
-        part_o = part_lse = cp.empty((1,), cp.float32)
+        part_o = part_lse = out                          # unused by the kernel
     scale_log2 = np.float32(scale * math.log2(math.e))
     fn((num_splits, kv_heads, batch), (threads,),
        (q, cache, block_tables, seq_lens, out, part_o, part_lse, np.int32(kv_heads),
         np.int32(block_tables.shape[1]), np.int32(split_tokens), scale_log2))
-    if num_splits > 1:
-        merge = kernel(PAGED_DECODE_SOURCE, f"merge_splits<{code}>")
+    if merge is not None:
         merge((batch * q_heads,), (min(d, 256),),
               (part_o, part_lse, out, np.int32(num_splits), np.int32(d)))
     return out

@@ -198,16 +198,21 @@ def copy_blocks(cache, pairs):
     layers = _as_layers(cache)
     if not is_cupy(layers[0]):
         return copy_blocks_ref(cache, pairs)
-    cp = backend.xp
     p = _check_pairs(pairs, layers[0].shape[0])
     if p.shape[0] == 0:
         return cache
     for a in layers:
         if not a.flags.c_contiguous:
             raise ConfigError("every cache must be C-contiguous")
+    _copy_blocks_launch(layers, backend.xp.asarray(p))
+    return cache
+
+
+def _copy_blocks_launch(layers, pairs):
+    """The launch alone: ``pairs`` already checked and on the GPU (int32 [n, 2])."""
+    cp = backend.xp
     block_bytes = layers[0].nbytes // layers[0].shape[0]
     width, ctype = _vec(block_bytes, *layers)
     ptrs = cp.asarray(np.array([a.data.ptr for a in layers], dtype=np.uint64))
     fn = kernel(CACHE_OPS_SOURCE, f"copy_blocks<{ctype}, 4>")
-    fn((p.shape[0], len(layers)), (256,), (ptrs, cp.asarray(p), np.int32(block_bytes // width)))
-    return cache
+    fn((pairs.shape[0], len(layers)), (256,), (ptrs, pairs, np.int32(block_bytes // width)))
