@@ -305,18 +305,19 @@ class KVCacheManager:
         if n:
             self._grow_cols(int(lblk.max()) + 1)
         tables = self._tables
+        flat = tables.reshape(-1)              # a view: flat indexing is the fastest gather
+        at = rows * tables.shape[1] + lblk     # flat index of each row's current block
         if k == n:
-            tables[rows, lblk] = alloc.allocate_n(k)
+            flat[at] = np.array(alloc.allocate_n(k), dtype=np.int32)
         elif k:
-            sel = np.flatnonzero(fresh)
-            tables[rows[sel], lblk[sel]] = alloc.allocate_n(k)
+            flat[at[fresh]] = np.array(alloc.allocate_n(k), dtype=np.int32)
         copies = _NO_COPIES
         if cow:
             pairs = []
             for i, src in cow:
                 dst = alloc.allocate()
                 alloc.free(src)
-                tables[rows[i], lblk[i]] = dst
+                flat[at[i]] = dst
                 pairs.append((src, dst))
             copies = np.array(pairs, dtype=np.int32)
         if seq_ids is None:
@@ -325,7 +326,7 @@ class KVCacheManager:
         else:
             self._cow[rows] = False
             self._lens[rows] += 1
-        slot_mapping = tables[rows, lblk] * bs + off
+        slot_mapping = flat[at] * bs + off
         width = int(lblk.max()) + 1 if n else 0
         block_tables = tables[rows, :width] if seq_ids is not None else tables[:n, :width].copy()
         return StepPlan(ids, slot_mapping, block_tables, pos + 1, copies)

@@ -1,0 +1,126 @@
+"""Bookkeeping benchmarks: ``python -m pagedkv.bench [--json] [--repeat N]``.
+
+Times the manager's hot paths on the CPU (the pool is a small NumPy array: bookkeeping never
+touches KV bytes, so its size does not matter here):
+
+* ``alloc_free_ns``  — one block allocated and freed (``free(allocate())`` in a loop);
+* ``decode_step_us`` — 1024 sequences of 512 tokens each append one token: every sequence needs
+  a new block (512 is a multiple of the block size 16), and the step's slot mapping and block
+  tables are built;
+* ``decode_step_no_new_block_us`` — the same batch one step later, when no block is needed;
+* ``fork_beams_us``  — a 2048-token sequence forked into 4 beams, each then appending one token
+  (one batched step for the 4 beams).
+
+Each number is the median over repetitions (the minimum is printed beside it); timings vary with
+what else the machine is doing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ..allocator import BlockAllocator
+from ..manager import KVCacheManager
+
+BLOCK_SIZE = 16
+
+
+def _alloc_free(alloc: BlockAllocator, n: int) -> float:
+    allocate, free = alloc.allocate, alloc.free
+    t = time.perf_counter()
+    for _ in range(n):
+        free(allocate())
+    return (time.perf_counter() - t) / n * 1e9
+
+
+def bench_alloc_free(repeat: int) -> list[float]:
+    alloc = BlockAllocator(4096, 64, xp=np)
+    alloc.allocate_n(100)                     # not a fresh pool
+    _alloc_free(alloc, 100_000)               # warm up
+    return [_alloc_free(alloc, 200_000) for _ in range(repeat)]
+
+
+def _decode_batch(num_seqs=1024, seq_len=512):
+    blocks = num_seqs * (seq_len // BLOCK_SIZE + 2)
+    m = KVCacheManager(BlockAllocator(blocks, BLOCK_SIZE * 2, xp=np), BLOCK_SIZE,
+                       max_seqs=num_seqs, max_seq_len=2048)
+    for s in range(num_seqs):
+        m.add(s, seq_len)
+    return m
+
+
+def bench_decode_step(repeat: int) -> tuple[list[float], list[float]]:
+    first, later = [], []
+    for _ in range(repeat):
+        m = _decode_batch()
+        t = time.perf_counter()
+        plan = m.step()
+        first.append((time.perf_counter() - t) * 1e6)
+        t = time.perf_counter()
+        m.step()
+        later.append((time.perf_counter() - t) * 1e6)
+        assert plan.slot_mapping.shape == (1024,) and plan.block_tables.shape == (1024, 33)
+    return first, later
+
+
+def bench_fork_beams(repeat: int) -> list[float]:
+    out = []
+    beams = ("b0", "b1", "b2", "b3")
+    for _ in range(repeat):
+        m = KVCacheManager(BlockAllocator(256, BLOCK_SIZE * 2, xp=np), BLOCK_SIZE,
+                           max_seq_len=4096)
+        m.add("prompt", 2048)
+        t = time.perf_counter()
+        m.fork("prompt", *beams)
+        plan = m.step(beams)
+        out.append((time.perf_counter() - t) * 1e6)
+        assert plan.block_tables.shape == (4, 129)
+    return out
+
+
+def run(repeat: int = 7) -> dict:
+    af = bench_alloc_free(repeat)
+    first, later = bench_decode_step(repeat * 5)
+    fork = bench_fork_beams(repeat * 20)
+    med = statistics.median
+    return {
+        "alloc_free_ns": round(med(af), 1), "alloc_free_ns_min": round(min(af), 1),
+        "decode_step_us": round(med(first), 1), "decode_step_us_min": round(min(first), 1),
+        "decode_step_no_new_block_us": round(med(later), 1),
+        "fork_beams_us": round(med(fork), 1), "fork_beams_us_min": round(min(fork), 1),
+        "python": platform.python_version(), "numpy": np.__version__,
+        "machine": platform.machine(),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagedkv.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--repeat", type=int, default=7, help="repetitions (default 7)")
+    args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
+    r = run(args.repeat)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    rows = [("one block allocated and freed", "alloc_free_ns", "ns"),
+            ("decode step, 1024 seqs x 512 tokens (new blocks)", "decode_step_us", "us"),
+            ("decode step, same batch, no new block", "decode_step_no_new_block_us", "us"),
+            ("fork 2048 tokens into 4 beams, one token each", "fork_beams_us", "us")]
+    print(f"{'operation':<52} {'median':>9} {'min':>9}")
+    for label, key, unit in rows:
+        lo = r.get(key + "_min")
+        print(f"{label:<52} {r[key]:>7.1f}{unit} " + (f"{lo:>7.1f}{unit}" if lo else ""))
+    print(f"(Python {r['python']}, NumPy {r['numpy']}, {r['machine']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
