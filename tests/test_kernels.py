@@ -11,7 +11,7 @@ import pytest
 
 from pagedkv import backend
 from pagedkv.errors import ConfigError
-from pagedkv.kernels import (attention, copy_blocks, copy_blocks_ref, gather_kv,
+from pagedkv.kernels import (copy_blocks, dense_attention, copy_blocks_ref, gather_kv,
                              paged_decode_attention, paged_decode_attention_ref, write_kv,
                              write_kv_ref)
 from pagedkv.kernels._common import BF16, to_device
@@ -58,7 +58,7 @@ def test_reference_matches_naive_gather():
     for b in range(len(lens)):
         k, v = gather_kv(cache, tables[b], lens[b])
         assert k.shape == (lens[b], 2, 64)
-        naive = attention(q[b], k, v)
+        naive = dense_attention(q[b], k, v)
         assert rel_err(naive, ref[b]) < 1e-5
 
 

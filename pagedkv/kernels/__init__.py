@@ -5,10 +5,10 @@
 * :mod:`pagedkv.kernels.attention` — ``paged_decode_attention`` (PagedAttention with split-K)
   and the naive gather-then-attend version the chapter starts from.
 """
-from .attention import (attention, choose_num_splits, gather_kv, paged_decode_attention,
+from .attention import (choose_num_splits, dense_attention, gather_kv, paged_decode_attention,
                         paged_decode_attention_ref)
 from .cache_ops import copy_blocks, copy_blocks_ref, write_kv, write_kv_ref
 
 __all__ = ["write_kv", "write_kv_ref", "copy_blocks", "copy_blocks_ref",
-           "paged_decode_attention", "paged_decode_attention_ref", "gather_kv", "attention",
+           "paged_decode_attention", "paged_decode_attention_ref", "gather_kv", "dense_attention",
            "choose_num_splits"]

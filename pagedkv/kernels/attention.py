@@ -3,7 +3,7 @@
 At a decode step every sequence brings one new query token per head and attends over all its
 past keys and values, which live in blocks scattered through the cache. Three versions:
 
-* :func:`gather_kv` + :func:`attention` — the naive one: copy a sequence's blocks into one
+* :func:`gather_kv` + :func:`dense_attention` — the naive one: copy a sequence's blocks into one
   contiguous K and V, then ordinary softmax attention. Easy, but it moves every byte twice.
 * :func:`paged_decode_attention_ref` — the float64 NumPy reference (the tests' oracle): each
   token position is turned into its slot through the page table and read from there.
@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ._common import (DTYPE_CODES, as_float, check_cache, check_int32, fn_attr,
                       is_cupy, kernel, sm_count, to_dtype)
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "gather_kv", "attention",
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "gather_kv", "dense_attention",
            "choose_num_splits", "PAGED_DECODE_SOURCE", "HEAD_DIMS", "BLOCK_SIZES", "MAX_GROUP"]
 
 HEAD_DIMS = (64, 128, 256)
@@ -386,7 +386,7 @@ def gather_kv(cache, block_table, seq_len):
     return k, v
 
 
-def attention(q, k, v, scale=None):
+def dense_attention(q, k, v, scale=None):
     """Ordinary softmax attention of one token: q ``[q_heads, D]``, k/v ``[L, kv_heads, D]``."""
     q_heads, d = q.shape
     group = q_heads // k.shape[1]
