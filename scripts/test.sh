@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every test: the package's pytest tests and nbval over every notebook in book/ (one
+# pytest run), then the book build (if a source changed since the last one) and the
+# browser test of each built page. All steps run even if one fails; the exit code is
+# non-zero if any did.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+failed=()
+step() {  # step NAME COMMAND...: run, time and record one step
+    local name=$1; shift
+    echo
+    echo "=== $name: $*"
+    local start=$(date +%s)
+    if "$@"; then
+        echo "=== $name: passed ($(( $(date +%s) - start )) s)"
+    else
+        echo "=== $name: FAILED ($(( $(date +%s) - start )) s)"
+        failed+=("$name")
+    fi
+}
+
+step "package tests + nbval" python -m pytest tests/ book/ \
+    --ignore=tests/test_book_browser.py \
+    --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+if step "book build" bash scripts/build_book.sh --if-stale; then
+    step "browser test" python -m pytest tests/test_book_browser.py
+else
+    echo "=== browser test: not run, the book did not build"
+    failed+=("browser test")
+fi
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "all test steps passed"
