@@ -82,18 +82,20 @@ class Workload:
                 np.array([r.output for r in self.requests]))
 
 
-#: Length distributions. ``uniform`` draws integers in [lo, hi]; ``lognormal`` has the given
-#: mean before clipping (mu = ln(mean) - sigma^2 / 2) and is clipped to [lo, hi].
-#: ``chat`` follows the ShareGPT means reported in the vLLM paper (161 in, 338 out) and
-#: ``alpaca`` its Alpaca means (19.3 in, 58.5 out); the sigmas are our choice (the paper gives
-#: histograms, not parameters): a long tail, as conversations and instructions have.
+#: Length distributions. ``uniform`` draws integers in [lo, hi]. ``lognormal`` has mean ``m``
+#: before rounding and clipping (mu = ln(m) - sigma^2 / 2) and is clipped to [lo, hi]; ``m`` is
+#: set so that the mean *after* clipping is the target: ``chat`` follows the ShareGPT means
+#: reported in the vLLM paper (161 input, 338 output tokens; m = 166.0 and 358.1), ``alpaca``
+#: its Alpaca means (19.3 and 58.5; m = 19.3 and 58.6). The sigmas are our choice (the paper
+#: shows histograms, not parameters): long tails, as conversations and instructions have.
+#: Prompt and output are each clipped to 1024 for ``chat``, so no request passes 2048 tokens.
 PRESETS = {
     "default": dict(prompt=("uniform", 4, 32), output=("uniform", 32, 256), max_len=288,
                     n=100, rate=None),
-    "chat": dict(prompt=("lognormal", 161.0, 1.0, 4, 1024),
-                 output=("lognormal", 338.0, 0.8, 4, 1024), max_len=2048, n=1000, rate=None),
+    "chat": dict(prompt=("lognormal", 166.0, 1.0, 4, 1024),
+                 output=("lognormal", 358.1, 0.8, 4, 1024), max_len=2048, n=1000, rate=None),
     "alpaca": dict(prompt=("lognormal", 19.3, 0.6, 2, 256),
-                   output=("lognormal", 58.5, 0.8, 2, 512), max_len=2048, n=1000, rate=None),
+                   output=("lognormal", 58.6, 0.8, 2, 512), max_len=2048, n=1000, rate=None),
 }
 
 
