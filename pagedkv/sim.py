@@ -289,15 +289,19 @@ class PagedKV:
 class PagedPolicy:
     """Paging: blocks of ``block_size`` tokens taken one at a time as sequences grow.
 
-    Admits a request when its tokens so far plus the next one fit in free blocks. A decode step
-    that finds too few free blocks is refused (:meth:`step` returns False) and :func:`serve`
-    preempts the newest sequence, which recomputes later (see :func:`serve`).
+    Admits a request when its tokens so far plus the next one fit in free blocks and leave
+    ``watermark`` (a share of the pool's blocks, 1 % as in vLLM) free for the running sequences to
+    grow into. A decode step that finds too few free blocks is refused (:meth:`step` returns
+    False) and :func:`serve` preempts the newest sequence, which recomputes later.
     """
 
     paged = True
 
     def __init__(self, pool_bytes: int, block_size: int, *, write: bool = False,
-                 max_seqs: int = 64, max_len: int = 256, kv_heads: int = 1, head_dim: int = 64):
+                 max_seqs: int = 64, max_len: int = 256, kv_heads: int = 1, head_dim: int = 64,
+                 watermark: float = 0.01):
+        if not 0 <= watermark < 1:
+            raise ConfigError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
         self.kv = PagedKV(pool_bytes, block_size, write=write, max_seqs=max_seqs,
                           max_seq_len=max_len, kv_heads=kv_heads, head_dim=head_dim)
         self.block_size = block_size
@@ -305,6 +309,7 @@ class PagedPolicy:
         self.token_bytes = self.kv.token_bytes
         self.pool_slots = pool_bytes // self.token_bytes
         self.block_allocs = 0
+        self.watermark = int(watermark * self.kv.allocator.num_blocks)
 
     def need(self, length: int, req: Request | None = None) -> int:
         """Token slots a request of ``length`` tokens needs before it may start."""
@@ -312,7 +317,7 @@ class PagedPolicy:
 
     def admit(self, rid: int, req: Request, length: int) -> bool:
         alloc = self.kv.allocator
-        if _cdiv(length + 1, self.block_size) > alloc.num_free:
+        if _cdiv(length + 1, self.block_size) + self.watermark > alloc.num_free:
             return False
         self.kv.add(rid, length)
         self.block_allocs += _cdiv(length, self.block_size)
@@ -464,6 +469,7 @@ class Run:
     max_seqs: int
     completions: int = 0
     preemptions: int = 0
+    recomputed_tokens: int = 0    # tokens prefilled again after a preemption
     steps: int = 0
     tokens_generated: int = 0
     tokens_written: int = 0
@@ -561,7 +567,8 @@ def serve(workload: Workload, policy, *, max_seqs: int = 256, audit_every: int =
             have = length.get(req.rid, req.prompt)
             if not policy.admit(req.rid, req, have):
                 # blocked by fragmentation: the pool had enough free in total, but not usable
-                blocked = policy.free_slots() >= policy.need(have, req)
+                # (never for paging: any free block serves, it waits only for enough of them)
+                blocked = not paged and policy.free_slots() >= policy.need(have, req)
                 break
             waiting.popleft()
             new_ids.append(req.rid)
@@ -585,6 +592,7 @@ def serve(workload: Workload, policy, *, max_seqs: int = 256, audit_every: int =
             policy.release(victim, verify=True)
             waiting.appendleft(by_id[victim])
             run.preemptions += 1
+            run.recomputed_tokens += length[victim]
             if not ids:
                 raise ConfigError("one sequence alone cannot grow: the pool is too small")
         lens += 1
@@ -726,7 +734,8 @@ def compare_policies(workload: Workload, pool_bytes: int, *, block_sizes=(1, 8, 
 def policy_table(runs) -> str:
     """Per policy: time-averaged shares of the pool, peak concurrency, steps to finish."""
     head = (f"{'policy':<17}{'tokens':>8}{'reserved':>10}{'internal':>10}{'external':>10}"
-            f"{'free':>7}{'tokens/held':>13}{'peak seqs':>11}{'steps':>7}{'preempt':>9}")
+            f"{'free':>7}{'tokens/held':>13}{'peak seqs':>11}{'steps':>7}{'preempt':>9}"
+            f"{'recomputed':>12}")
     rows = [head]
     for r in runs:
         b = r.breakdown()
@@ -734,7 +743,7 @@ def policy_table(runs) -> str:
         rows.append(f"{r.policy:<17}{b['tokens']:>8.1%}{b['reserved']:>10.1%}"
                     f"{b['internal']:>10.1%}{b['external']:>10.1%}{b['free']:>7.1%}"
                     f"{b['tokens'] / occupied if occupied else 0:>13.1%}{r.peak_running:>11}"
-                    f"{r.steps:>7}{r.preemptions:>9}")
+                    f"{r.steps:>7}{r.preemptions:>9}{r.recomputed_tokens:>12}")
     return "\n".join(rows)
 
 
