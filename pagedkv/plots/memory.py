@@ -248,7 +248,7 @@ def draw_page_tables(tables, num_blocks: int, *, in_use=(), title=None, ax=None)
             ax.add_patch(FancyArrowPatch((j + 0.5, y), (int(b) + 0.5, pool_y + 0.92),
                                          arrowstyle="-|>", mutation_scale=10, color=color,
                                          lw=1.2, shrinkA=0, shrinkB=0))
-        label = "logical\nblocks" if len(tables) == 1 else f"{_owner_label(s)}\nlogical"
+        label = "logical\nblocks" if len(tables) == 1 else f"seq {s}\nlogical"
         ax.text(-0.2, y + 0.45, label, ha="right", va="center", fontsize=9)
     ax.set_xlim(-1.6, width)
     ax.set_ylim(-0.2, 2.0 + 1.25 * rows)
