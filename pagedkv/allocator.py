@@ -158,11 +158,24 @@ class BlockAllocator:
         """Add ``times`` owners to each block in ``blocks`` (a fork shares a whole page table).
         All or nothing: every block must be allocated."""
         self._check_open()
+        ref, n = self._ref, self.num_blocks
+        done = 0
+        try:
+            for b in blocks:
+                if type(b) is not int or not 0 <= b < n or ref[b] == 0:
+                    self._check_id(b)
+                    raise InvalidBlock(f"cannot share block {b}: it is free")
+                ref[b] += times
+                done += 1
+        except InvalidBlock:
+            for b in blocks[:done]:            # undo: all or nothing
+                ref[b] -= times
+            raise
+
+    def _add_owners(self, blocks: list, times: int) -> None:
+        """``share_n`` without the checks, for a caller whose own invariants guarantee every id
+        is an allocated block (the manager's page tables: see its ``audit``)."""
         ref = self._ref
-        for b in blocks:
-            if type(b) is not int or not 0 <= b < self.num_blocks or ref[b] == 0:
-                self._check_id(b)
-                raise InvalidBlock(f"cannot share block {b}: it is free")
         for b in blocks:
             ref[b] += times
 

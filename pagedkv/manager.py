@@ -24,6 +24,7 @@ not forked since its last write.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,15 +38,13 @@ _NO_COPIES = np.zeros((0, 2), dtype=np.int32)
 _NO_COPIES.flags.writeable = False
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """What one sequence's append asks of the device."""
     slots: np.ndarray    # int32 [new tokens]: where each new token's K/V goes
     copies: np.ndarray   # int32 [n, 2]: (src, dst) blocks to copy first (copy-on-write)
 
 
-@dataclass(frozen=True)
-class StepPlan:
+class StepPlan(NamedTuple):
     """One decode step for a batch: every sequence in ``seq_ids`` gains one token."""
     seq_ids: list            # batch order
     slot_mapping: np.ndarray  # int32 [batch]: slot of each sequence's new token
@@ -260,26 +259,82 @@ class KVCacheManager:
         self._lens[row] = length + n
         return Plan(slots_of(table, np.arange(length, length + n), bs), copies)
 
+    #: Batches up to this size take a plain-Python path: NumPy's cost per call outweighs its
+    #: speed per element below a few dozen sequences. Both paths return identical plans.
+    small_batch = 16
+
     def step(self, seq_ids=None) -> StepPlan:
         """One decode step: every sequence in ``seq_ids`` (default: all, in row order) gains a
-        token. Builds the batch's slot mapping and block tables with NumPy, in one pass.
+        token. Builds the batch's slot mapping and block tables in one pass.
 
         All or nothing: raises :class:`OutOfBlocks` and changes nothing if the new blocks and
         copy-on-write copies the step needs are not all free.
         """
-        bs, alloc = self.block_size, self.allocator
         if seq_ids is None:
             ids = list(self._ids)
-            n = len(ids)
+            rows = None
+        else:
+            ids = list(seq_ids)
+            rows = [self._row(s) for s in ids]
+            if len(set(rows)) != len(rows):
+                raise ConfigError("a sequence appears more than once in one step")
+        if len(ids) <= self.small_batch:
+            return self._step_small(ids, list(range(len(ids))) if rows is None else rows)
+        return self._step_vector(ids, rows)
+
+    def _step_small(self, ids: list, rows: list) -> StepPlan:
+        bs, alloc, ref = self.block_size, self.allocator, self.allocator._ref
+        lens, cow_flags, tables = self._lens, self._cow, self._tables
+        pos = [int(lens[r]) for r in rows]
+        fresh = [p % bs == 0 for p in pos]
+        k = sum(fresh)
+        cow: dict[int, int] = {}               # batch index -> block to copy
+        left: dict[int, int] = {}
+        for i, r in enumerate(rows):
+            if cow_flags[r] and not fresh[i]:
+                b = int(tables[r, pos[i] // bs])
+                count = left.get(b, ref[b])
+                if count > 1:
+                    cow[i] = b
+                    left[b] = count - 1
+        if k + len(cow) > alloc.num_free:
+            raise OutOfBlocks(k + len(cow), alloc.num_free, f"step of {len(ids)} sequences")
+        # --- from here on nothing can fail
+        width = max(pos) // bs + 1 if pos else 0
+        self._grow_cols(width)
+        tables = self._tables
+        new = iter(alloc.allocate_n(k))
+        slots, pairs = [], []
+        for i, r in enumerate(rows):
+            p = pos[i]
+            col, off = divmod(p, bs)
+            if fresh[i]:
+                b = next(new)
+                tables[r, col] = b
+            elif i in cow:
+                src, b = cow[i], alloc.allocate()
+                alloc.free(src)
+                tables[r, col] = b
+                pairs.append((src, b))
+            else:
+                b = int(tables[r, col])
+            slots.append(b * bs + off)
+            lens[r] = p + 1
+            cow_flags[r] = False
+        copies = np.array(pairs, dtype=np.int32) if pairs else _NO_COPIES
+        return StepPlan(ids, np.array(slots, dtype=np.int32), tables[rows, :width],
+                        np.array(pos, dtype=np.int32) + 1, copies)
+
+    def _step_vector(self, ids: list, rows) -> StepPlan:
+        bs, alloc = self.block_size, self.allocator
+        n = len(ids)
+        dense = rows is None                   # all rows, in order: slices are views
+        if dense:
             rows = self._arange[:n]
             pos = self._lens[:n].copy()
             flagged = self._cow[:n]
         else:
-            ids = list(seq_ids)
-            n = len(ids)
-            rows = np.fromiter((self._row(s) for s in ids), dtype=np.intp, count=n)
-            if len(set(ids)) != n:
-                raise ConfigError("a sequence appears more than once in one step")
+            rows = np.array(rows, dtype=np.intp)
             pos = self._lens[rows]
             flagged = self._cow[rows]
         lblk, off = np.divmod(pos, bs)
@@ -302,8 +357,7 @@ class KVCacheManager:
         if k + len(cow) > alloc.num_free:
             raise OutOfBlocks(k + len(cow), alloc.num_free, f"step of {n} sequences")
         # --- from here on nothing can fail
-        if n:
-            self._grow_cols(int(lblk.max()) + 1)
+        self._grow_cols(int(lblk.max()) + 1)
         tables = self._tables
         flat = tables.reshape(-1)              # a view: flat indexing is the fastest gather
         at = rows * tables.shape[1] + lblk     # flat index of each row's current block
@@ -320,15 +374,15 @@ class KVCacheManager:
                 flat[at[i]] = dst
                 pairs.append((src, dst))
             copies = np.array(pairs, dtype=np.int32)
-        if seq_ids is None:
+        if dense:
             flagged[:] = False
             self._lens[:n] += 1
         else:
             self._cow[rows] = False
             self._lens[rows] += 1
         slot_mapping = flat[at] * bs + off
-        width = int(lblk.max()) + 1 if n else 0
-        block_tables = tables[rows, :width] if seq_ids is not None else tables[:n, :width].copy()
+        width = int(lblk.max()) + 1
+        block_tables = tables[:n, :width].copy() if dense else tables[rows, :width]
         return StepPlan(ids, slot_mapping, block_tables, pos + 1, copies)
 
     def fork(self, parent, *children) -> None:
@@ -351,7 +405,7 @@ class KVCacheManager:
                 raise ConfigError(f"sequence ids must be hashable, got {c!r}") from None
         length = int(self._lens[prow])
         nb = _cdiv(length, self.block_size)
-        self.allocator.share_n(self._tables[prow, :nb].tolist(), len(children))
+        self.allocator._add_owners(self._tables[prow, :nb].tolist(), len(children))
         first = len(self._ids)
         self._grow_rows(first + len(children))
         rows = slice(first, first + len(children))

@@ -249,3 +249,36 @@ def test_tables_grow_past_their_first_size():
         m.step()
     assert [m.num_tokens(i) for i in range(5)] == [2 * i + 11 for i in range(5)]
     m.audit()
+
+
+def test_small_and_vector_step_paths_agree():
+    """The plain-Python path (small batches) and the NumPy path must plan identically."""
+    seed = 7
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    small, vector = make(num_blocks=400, block_size=4), make(num_blocks=400, block_size=4)
+    vector.small_batch = 0
+    for m in (small, vector):
+        for s in range(40):
+            m.add(s, int(rng.integers(0, 9)) if m is small else 0)
+    for s in range(40):                                    # same lengths in both
+        n = small.num_tokens(s)
+        if n:
+            vector.append(s, n)
+    forks = 0
+    for step in range(30):
+        if step % 5 == 0:
+            parent = int(rng.choice(small.seq_ids))
+            for m in (small, vector):
+                m.fork(parent, 1000 + forks)
+            forks += 1
+        batch = None if step % 3 == 0 else [int(x) for x in rng.choice(
+            small.seq_ids, size=int(rng.integers(1, 30)), replace=False)]
+        a = small.step(batch if batch is None or len(batch) <= 16 else batch[:16])
+        b = vector.step(batch if batch is None or len(batch) <= 16 else batch[:16])
+        assert a.seq_ids == b.seq_ids
+        for field in ("slot_mapping", "block_tables", "seq_lens", "copies"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert x.dtype == y.dtype and np.array_equal(x, y), field
+        small.audit()
+        vector.audit()

@@ -46,7 +46,7 @@ def bench_alloc_free(repeat: int) -> list[float]:
     return [_alloc_free(alloc, 200_000) for _ in range(repeat)]
 
 
-def _decode_batch(num_seqs=1024, seq_len=512):
+def _decode_batch(num_seqs=1024, seq_len=511):
     blocks = num_seqs * (seq_len // BLOCK_SIZE + 2)
     m = KVCacheManager(BlockAllocator(blocks, BLOCK_SIZE * 2, xp=np), BLOCK_SIZE,
                        max_seqs=num_seqs, max_seq_len=2048)
@@ -58,13 +58,13 @@ def _decode_batch(num_seqs=1024, seq_len=512):
 def bench_decode_step(repeat: int) -> tuple[list[float], list[float]]:
     first, later = [], []
     for _ in range(repeat):
-        m = _decode_batch()
+        m = _decode_batch()                   # 511 tokens each
         t = time.perf_counter()
-        plan = m.step()
-        first.append((time.perf_counter() - t) * 1e6)
-        t = time.perf_counter()
-        m.step()
+        m.step()                              # token 511 still fits the 32nd block
         later.append((time.perf_counter() - t) * 1e6)
+        t = time.perf_counter()
+        plan = m.step()                       # 512 tokens -> token 512 needs a new block
+        first.append((time.perf_counter() - t) * 1e6)
         assert plan.slot_mapping.shape == (1024,) and plan.block_tables.shape == (1024, 33)
     return first, later
 
