@@ -223,6 +223,22 @@ def test_gpu_decode_many_splits_and_big_batch():
 
 
 @gpu
+@pytest.mark.parametrize("config", [(4, 4, 1, 0), (4, 2, 4, 0), (8, 2, 2, 0), (4, 2, 2, 2),
+                                    (4, 1, 6, 0), (8, 1, 2, 2)])
+def test_gpu_decode_other_launch_configs(config):
+    # (warps, tokens per tile, ring stages, chunks per thread): the benchmark's sweep tries these
+    from pagedkv.kernels import attention as attn_mod
+    rng = rng_for(3050 + sum(config))
+    host, dev = _gpu_case(rng, [1, 17, 97, 2049, 33], 16, 4, 128, 16, "float16")
+    ref = paged_decode_attention_ref(*host)
+    for splits in (1, 3):
+        out = _poisoned_like(dev[0])
+        attn_mod._decode_cupy(*dev, 1 / np.sqrt(128), out, splits, "float16", *config)
+        got = _host(out, "float16").astype(np.float64)
+        assert np.isfinite(got).all() and rel_err(got, ref) < TOL["float16"], (config, splits)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_gpu_write_kv_matches_reference(dtype):
     rng = rng_for(3100 + len(dtype))

@@ -199,6 +199,11 @@ class FlashInferDecode:
 
 # --------------------------------------------------------------------------- the runs
 
+#: launch configurations the --sweep option tries: (warps per CTA, tokens per tile, ring stages)
+SWEEP = ((4, 4, 1, 0), (4, 4, 2, 0), (4, 2, 3, 0), (4, 2, 4, 0), (8, 2, 2, 0), (4, 1, 6, 0),
+         (4, 2, 2, 2), (4, 1, 4, 2), (4, 1, 3, 2), (8, 1, 2, 2))
+
+
 def bench_decode(shape, dtype, spec, peers, args, rows, log):
     cp = backend.xp
     batch, seq_len = shape["batch"], shape["seq_len"]
@@ -240,19 +245,24 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
 
     if args.sweep:   # other launch configurations and split counts, same data
         best_sweep = None
-        for nw, un in ((4, 2), (4, 4), (4, 8), (8, 2), (8, 4)):
-            for sp in (None, 1, 2, 4, 8, 16, 32, 64):
+        for nw, un, st, ch in SWEEP:
+            for sp in (None, 1, 2, 4, 8, 16, 32):
+                if attn.smem_bytes(dtype, d, nw, un, st, ch) > 48 * 1024:
+                    continue
                 try:
                     ms2, _ = time_cupy(lambda: attn._decode_cupy(
-                        q, cache, tables, lens, 1 / math.sqrt(d), out, sp, dtype, nw, un),
+                        q, cache, tables, lens, 1 / math.sqrt(d), out, sp, dtype, nw, un, st, ch),
                         reps=max(10, args.reps // 3))
                 except Exception as exc:
-                    log(f"    sweep {nw}w x{un} splits {sp}: {type(exc).__name__}: {exc}")
+                    log(f"    sweep {nw}w x{un} {st} stages, splits {sp}: "
+                        f"{type(exc).__name__}: {exc}")
                     continue
-                r = row("pagedkv.sweep", ms2, nwarps=nw, unroll=un, splits=sp if sp else "auto")
+                r = row("pagedkv.sweep", ms2, nwarps=nw, unroll=un, stages=st, chunks=ch,
+                        splits=sp if sp else "auto")
                 if best_sweep is None or r["us"] < best_sweep["us"]:
                     best_sweep = r
-        log(f"    sweep best: {best_sweep['nwarps']} warps x{best_sweep['unroll']} splits "
+        log(f"    sweep best: {best_sweep['nwarps']} warps x{best_sweep['unroll']} "
+            f"{best_sweep['stages']} stages {best_sweep['chunks']} chunks, splits "
             f"{best_sweep['splits']}: {best_sweep['us']:.1f} us vs default {ms*1e3:.1f} us")
 
     torch = peers.get("torch")
@@ -300,7 +310,7 @@ def _plan(q, cache, tables, num_splits=None):
     """The launcher's choice for this problem: (kernel, merge kernel, threads, splits, length)."""
     dt = "bfloat16" if cache.dtype == np.uint16 else str(cache.dtype)
     return attn._plan(tuple(q.shape), tuple(cache.shape), cache.itemsize, dt, tables.shape[1],
-                      num_splits, None, None)
+                      num_splits)
 
 
 def bench_cache_ops(rows, log, copy_bw):
@@ -308,8 +318,8 @@ def bench_cache_ops(rows, log, copy_bw):
     rng = cp.random.default_rng(7)
     bs, kv_heads, d = 16, 8, 128
     # write_kv: 131072 tokens of K and V, fp16 -> 512 MiB read + 512 MiB written, random slots
-    tokens = 131072
-    num_blocks = tokens // bs + 64
+    tokens, n = 131072, 8192                 # n: copy_blocks pairs, so 2n blocks are needed
+    num_blocks = max(tokens // bs, 2 * n) + 64
     cache = cp.empty((num_blocks, 2, bs, kv_heads, d), cp.float16)
     k = _cupy_randn((tokens, kv_heads, d), "float16", rng)
     v = _cupy_randn((tokens, kv_heads, d), "float16", rng)
@@ -329,7 +339,6 @@ def bench_cache_ops(rows, log, copy_bw):
     log(f"  write_kv   {moved/1e6:7.0f} MB moved in {ms*1e3:8.1f} us = "
         f"{moved/(ms*1e-3)/1e12:.3f} TB/s = {moved/(ms*1e-3)/copy_bw:.1%} of copy")
     # copy_blocks: 8192 (src, dst) pairs of 64 KiB blocks -> 512 MiB read + 512 MiB written
-    n = 8192
     perm = np.random.default_rng(10).permutation(num_blocks).astype(np.int32)
     pairs = np.stack([perm[:n], perm[n:2 * n]], axis=1)
     copy_blocks(cache, pairs)

@@ -97,6 +97,20 @@ template <> struct Num<2> {  // bfloat16: the top half of a float32, so widening
     }
 };
 
+// ---- asynchronous copies global -> shared (Ampere and later) ---------------------------------
+// cp.async.cg copies 16 bytes without passing through registers; with ok == false it copies 0
+// bytes and fills the 16 with zeros. commit closes a group of copies; wait<N> blocks until at
+// most N groups of this thread are still in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+    unsigned s;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
 // ---- the kernel ----------------------------------------------------------------------------
 // q            [batch][q_heads][HEAD_DIM]                          (as uint4 chunks)
 // cache        [num_blocks][2][BLOCK_SIZE][kv_heads][HEAD_DIM]     (as uint4 chunks)
@@ -104,7 +118,8 @@ template <> struct Num<2> {  // bfloat16: the top half of a float32, so widening
 // seq_lens     [batch]
 // out          [batch][q_heads][HEAD_DIM]   written when there is one split
 // part_o, part_lse: each split's normalised output and log2-sum-exp, merged by merge_splits
-template <int DT, int HEAD_DIM, int GROUP, int BLOCK_SIZE, int NWARPS, int UNROLL>
+template <int DT, int HEAD_DIM, int GROUP, int BLOCK_SIZE, int NWARPS, int UNROLL, int STAGES,
+          int CHUNKS>
 __global__ void __launch_bounds__(NWARPS * 32)
 paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
              const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
@@ -113,8 +128,10 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     using N = Num<DT>;
     constexpr int VEC = N::PER_VEC;                     // numbers per 16-byte load
     constexpr int ROW_VECS = HEAD_DIM / VEC;            // 16-byte loads per head row
-    constexpr int TPT = ROW_VECS < 32 ? ROW_VECS : 32;  // threads per token group
-    constexpr int NV = ROW_VECS / TPT;                  // loads per thread per row
+    constexpr int NV = CHUNKS > 0 ? CHUNKS              // 16-byte loads per thread per row:
+                     : (ROW_VECS < 32 ? 1 : ROW_VECS / 32);  //   as few as a warp allows
+    constexpr int TPT = ROW_VECS / NV;                  // threads per token group
+    static_assert(TPT * NV == ROW_VECS && TPT <= 32 && 32 % TPT == 0, "bad CHUNKS");
     constexpr int E = NV * VEC;                         // numbers of a row one thread holds
     constexpr int GPW = 32 / TPT;                       // token groups per warp
     constexpr int NGROUPS = NWARPS * GPW;               // token groups per CTA
@@ -158,38 +175,52 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     const long long row = (long long)kv_heads * ROW_VECS;  // uint4s from one token to the next
     const uint4* head = cache + h * ROW_VECS + lig;        // my chunk of kv head h in row 0
 
-    int blk[UNROLL];  // the blocks of the tokens I read next (looked up one trip ahead)
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        int t = t_begin + u * NGROUPS + grp;
-        blk[u] = t < t_end ? table[t / BLOCK_SIZE] : 0;
-    }
+    // The loop runs over "tiles" of TILE tokens; in a tile, token group grp takes tokens
+    // tile_start + u * NGROUPS + grp for u = 0 .. UNROLL-1. Loads go through a ring of STAGES
+    // shared-memory slots: while the arithmetic works on tile i, the loads of the next STAGES-1
+    // tiles are already on their way (cp.async copies global -> shared without using registers).
+    // Each thread reads back only the 16-byte chunks it asked for itself, so no barrier is needed:
+    // "cp.async.wait_group N" waits until at most N of my requested groups are still in flight.
+    __shared__ uint4 ring[STAGES][UNROLL][2][NV][NWARPS * 32];
+    const int n_tiles = t_end > t_begin ? (t_end - t_begin + TILE - 1) / TILE : 0;
+    int blk[UNROLL];  // the blocks of the tile to request next (looked up one tile ahead)
 
-    for (int tb = t_begin; tb < t_end; tb += TILE) {
-        // 1. Issue all loads of this trip (UNROLL tokens, K and V) before using any of them.
-        uint4 kr[UNROLL][NV], vr[UNROLL][NV];
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            int t = tb + u * NGROUPS + grp;
-            const uint4* p = head + ((long long)blk[u] * 2 * BLOCK_SIZE + t % BLOCK_SIZE) * row;
-            #pragma unroll
-            for (int n = 0; n < NV; ++n) {
-                if (t < t_end) {
-                    kr[u][n] = p[n * TPT];                    // K half of the block
-                    vr[u][n] = p[BLOCK_SIZE * row + n * TPT]; // V half, BLOCK_SIZE rows later
-                } else {
-                    kr[u][n] = make_uint4(0, 0, 0, 0);
-                    vr[u][n] = make_uint4(0, 0, 0, 0);
-                }
-            }
-        }
-        // 2. Look up the next trip's blocks now: that read overlaps the arithmetic below.
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            int t = tb + TILE + u * NGROUPS + grp;
-            blk[u] = t < t_end ? table[t / BLOCK_SIZE] : 0;
-        }
-        // 3. Scores s = q . k: my partial dot product, then a butterfly sum over the group's
+    // lookup(tile): fetch the block ids of my tokens of that tile from the page table.
+    // request(tile): start copying those tokens' K and V rows into the tile's ring slot.
+#define LOOKUP(tile_)                                                                       \
+    _Pragma("unroll") for (int u = 0; u < UNROLL; ++u) {                                    \
+        int t = t_begin + (tile_) * TILE + u * NGROUPS + grp;                               \
+        blk[u] = ((tile_) < n_tiles && t < t_end) ? table[t / BLOCK_SIZE] : 0;              \
+    }
+#define REQUEST(tile_)                                                                      \
+    if ((tile_) < n_tiles) {                                                                \
+        const int slot_ = (tile_) % STAGES;                                                 \
+        _Pragma("unroll") for (int u = 0; u < UNROLL; ++u) {                                \
+            int t = t_begin + (tile_) * TILE + u * NGROUPS + grp;                           \
+            bool ok = t < t_end;  /* a token past the end reads zeros, never garbage */     \
+            const uint4* p = head + ((long long)blk[u] * 2 * BLOCK_SIZE + t % BLOCK_SIZE) * row; \
+            _Pragma("unroll") for (int n = 0; n < NV; ++n) {                                \
+                cp_async16(&ring[slot_][u][0][n][threadIdx.x], ok ? p + n * TPT : cache, ok); \
+                cp_async16(&ring[slot_][u][1][n][threadIdx.x],                              \
+                           ok ? p + BLOCK_SIZE * row + n * TPT : cache, ok);                \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    cp_async_commit();  /* one group per tile, empty past the end, so the count stays right */
+
+    LOOKUP(0)
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) { REQUEST(i) LOOKUP(i + 1) }
+
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        // 1. Ask for tile + STAGES - 1, look up the blocks of the one after, wait for this tile.
+        REQUEST(tile + STAGES - 1)
+        LOOKUP(tile + STAGES)
+        cp_async_wait<STAGES - 1>();
+        const int slot = tile % STAGES;
+        const int tb = t_begin + tile * TILE;
+
+        // 2. Scores s = q . k: my partial dot product, then a butterfly sum over the group's
         //    TPT threads (__shfl_xor_sync swaps registers between threads of a warp).
         float s[UNROLL][GROUP];
         #pragma unroll
@@ -199,7 +230,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
             #pragma unroll
             for (int n = 0; n < NV; ++n) {
                 float kf[VEC];
-                N::unpack(kr[u][n], kf);
+                N::unpack(ring[slot][u][0][n][threadIdx.x], kf);
                 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
                     #pragma unroll
@@ -217,7 +248,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
                 if (tb + u * NGROUPS + grp >= t_end) s[u][g] = NEG_INF;  // past the end
             }
         }
-        // 4. Online softmax: raise the running max, rescale what was summed so far, add the
+        // 3. Online softmax: raise the running max, rescale what was summed so far, add the
         //    new tokens' weights p = exp2(s - m) and p * V.
         #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
@@ -235,7 +266,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
             #pragma unroll
             for (int n = 0; n < NV; ++n) {
                 float vf[VEC];
-                N::unpack(vr[u][n], vf);
+                N::unpack(ring[slot][u][1][n][threadIdx.x], vf);
                 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
                     const float p = exp2f(s[u][g] - m[g]);
@@ -247,7 +278,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         }
     }
 
-    // 5. Merge the token groups of each warp (threads TPT, 2*TPT, ... apart hold the same
+    // 4. Merge the token groups of each warp (threads TPT, 2*TPT, ... apart hold the same
     //    numbers of different groups): two running softmaxes (m1, l1, a1), (m2, l2, a2) combine
     //    to m = max(m1, m2), l = l1 * 2^(m1-m) + l2 * 2^(m2-m), and a likewise.
     #pragma unroll
@@ -266,12 +297,12 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         }
     }
 
-    // 6. Merge the warps through shared memory (memory all threads of the CTA can see), one
+    // 5. Merge the warps through shared memory (memory all threads of the CTA can see), one
     //    query head at a time, and write the result: the output itself when there is one split,
     //    else this split's normalised output and its log2-sum-exp for merge_splits.
     __shared__ float sm_acc[NWARPS][HEAD_DIM];
     __shared__ float sm_m[NWARPS], sm_l[NWARPS];
-    #pragma unroll 1
+    #pragma unroll  // (unrolled so that acc[g] stays in registers: g must be a constant)
     for (int g = 0; g < GROUP; ++g) {
         if (lane < TPT) {
             #pragma unroll
@@ -473,15 +504,32 @@ def _decode_numpy(q, cache, block_tables, seq_lens, scale, num_splits, kv_dtype)
 
 # --------------------------------------------------------------------------- GPU launch
 
-def _config(group: int, kv_dtype: str):
-    """(warps per CTA, tokens per group per trip): more tokens in flight when registers allow."""
-    return 4, (4 if group <= 4 else 2)
+def _config(group: int, kv_dtype: str, head_dim: int):
+    """(warps per CTA, tokens per group per tile, ring stages, chunks per thread; 0 = auto)."""
+    if group <= 4:
+        return 4, 4, 2, 0
+    return 4, 2, 3, 0
 
 
-def _ctas_per_sm(fn, threads: int) -> int:
+def _chunks(kv_dtype: str, head_dim: int, chunks: int) -> int:
+    """16-byte chunks of a head row per thread (the kernel's NV)."""
+    row_vecs = head_dim // (4 if kv_dtype == "float32" else 8)
+    return chunks or (1 if row_vecs < 32 else row_vecs // 32)
+
+
+def smem_bytes(kv_dtype: str, head_dim: int, nwarps: int, unroll: int, stages: int,
+               chunks: int = 0) -> int:
+    """Static shared memory of one CTA: the load ring plus the warp-merge arrays."""
+    nv = _chunks(kv_dtype, head_dim, chunks)
+    return stages * unroll * 2 * nv * nwarps * 32 * 16 + nwarps * (head_dim + 2) * 4
+
+
+def _ctas_per_sm(fn, threads: int, smem: int) -> int:
+    """CTAs that fit on one SM at once: limited by registers, threads, and shared memory."""
     regs = fn_attr(fn, "num_regs", 128)
     per_warp = -(-regs * 32 // 256) * 256                # registers are handed out per warp
-    return max(1, min(65536 // (per_warp * threads // 32), 2048 // threads, 32))
+    return max(1, min(65536 // (per_warp * threads // 32), 2048 // threads, 32,
+                      (228 * 1024) // (smem + 1024)))
 
 
 def choose_num_splits(work: int, max_len: int, slots: int, tile: int, row_bytes: int,
@@ -512,24 +560,29 @@ def choose_num_splits(work: int, max_len: int, slots: int, tile: int, row_bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(q_shape, cache_shape, itemsize, kv_dtype, max_blocks, num_splits, nwarps, unroll):
+def _plan(q_shape, cache_shape, itemsize, kv_dtype, max_blocks, num_splits, nwarps=None,
+          unroll=None, stages=None, chunks=None):
     """Kernel, split count and split length for one problem shape (cached: decode steps repeat)."""
     batch, q_heads, _ = q_shape
     _, _, bs, kv_heads, d = cache_shape
     group = q_heads // kv_heads
-    dw, du = _config(group, kv_dtype)
-    nwarps, unroll = nwarps or dw, unroll or du
+    dw, du, ds, dc = _config(group, kv_dtype, d)
+    nwarps, unroll, stages = nwarps or dw, unroll or du, stages or ds
+    nv = _chunks(kv_dtype, d, dc if chunks is None else chunks)
+    while stages > 1 and smem_bytes(kv_dtype, d, nwarps, unroll, stages, nv) > 48 * 1024:
+        stages -= 1                                      # stay within 48 KiB of static smem
     code = DTYPE_CODES[kv_dtype]
-    fn = kernel(PAGED_DECODE_SOURCE,
-                f"paged_decode<{code}, {d}, {group}, {bs}, {nwarps}, {unroll}>")
+    fn = kernel(PAGED_DECODE_SOURCE, f"paged_decode<{code}, {d}, {group}, {bs}, {nwarps}, "
+                                     f"{unroll}, {stages}, {nv}>")
     threads = nwarps * 32
-    vec = 4 if kv_dtype == "float32" else 8
-    tile = nwarps * (32 // min(32, d // vec)) * unroll   # tokens per trip round the loop
+    tpt = d // (4 if kv_dtype == "float32" else 8) // nv  # threads per token group
+    tile = nwarps * (32 // tpt) * unroll                  # tokens per tile
     max_len = max_blocks * bs                            # an upper bound known without a sync
     if num_splits is None:
-        num_splits = choose_num_splits(batch * kv_heads, max_len,
-                                       sm_count() * _ctas_per_sm(fn, threads), tile,
-                                       d * itemsize, out_bytes=group * d * 4)
+        slots = sm_count() * _ctas_per_sm(fn, threads,
+                                          smem_bytes(kv_dtype, d, nwarps, unroll, stages, nv))
+        num_splits = choose_num_splits(batch * kv_heads, max_len, slots, tile, d * itemsize,
+                                       out_bytes=group * d * 4)
     num_splits = max(1, min(int(num_splits), -(-max_len // tile)))
     split_tokens = -(-(-(-max_len // num_splits)) // tile) * tile
     merge = kernel(PAGED_DECODE_SOURCE, f"merge_splits<{code}>") if num_splits > 1 else None
@@ -537,13 +590,13 @@ def _plan(q_shape, cache_shape, itemsize, kv_dtype, max_blocks, num_splits, nwar
 
 
 def _decode_cupy(q, cache, block_tables, seq_lens, scale, out, num_splits, kv_dtype,
-                 nwarps=None, unroll=None):
+                 nwarps=None, unroll=None, stages=None, chunks=None):
     cp = backend.xp
     batch, q_heads, d = q.shape
     kv_heads = cache.shape[3]
     fn, merge, threads, num_splits, split_tokens = _plan(
         tuple(q.shape), tuple(cache.shape), cache.itemsize, kv_dtype, block_tables.shape[1],
-        num_splits, nwarps, unroll)
+        num_splits, nwarps, unroll, stages, chunks)
     q = cp.ascontiguousarray(q)
     block_tables = cp.ascontiguousarray(cp.asarray(block_tables))
     seq_lens = cp.ascontiguousarray(cp.asarray(seq_lens))
