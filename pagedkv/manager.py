@@ -492,16 +492,18 @@ class KVCacheManager:
         assert (tables[~mask] == -1).all(), "an entry past a row's last block is not -1"
         assert (self._tables[n:] == -1).all() and not self._lens[n:].any() \
             and not self._cow[n:].any(), "a dead row is not cleared"
-        counts = np.bincount(mapped.astype(np.int64), minlength=alloc.num_blocks)
-        assert (counts == alloc.refcounts()).all(), \
-            "a block's reference count differs from the number of page tables mapping it"
         ref = alloc.refcounts()
-        for row in range(n):
-            blocks = tables[row, :nb[row]]
-            assert len(np.unique(blocks)) == len(blocks), f"row {row} maps a block twice"
-            length = int(self._lens[row])
-            if length % self.block_size and ref[blocks[-1]] > 1:
-                assert self._cow[row], f"row {row}'s shared last block is not flagged"
+        counts = np.bincount(mapped.astype(np.int64), minlength=alloc.num_blocks)
+        assert (counts == ref).all(), \
+            "a block's reference count differs from the number of page tables mapping it"
+        row_of_entry = np.nonzero(mask)[0]
+        keys = row_of_entry * alloc.num_blocks + mapped
+        assert len(np.unique(keys)) == len(keys), "a page table maps one block twice"
+        live = np.flatnonzero(nb > 0)
+        last = tables[live, nb[live] - 1]
+        partial = self._lens[live] % self.block_size != 0
+        at_risk = partial & (ref[last] > 1)
+        assert self._cow[live][at_risk].all(), "a shared, partly filled last block is not flagged"
 
     def __repr__(self) -> str:
         a = self.allocator

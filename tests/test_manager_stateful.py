@@ -25,7 +25,7 @@ from pagedkv.errors import ConfigError, OutOfBlocks, SequenceExists, UnknownSequ
 from pagedkv.manager import KVCacheManager
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
-STEPS_PER_RUN, RUNS = 200, 600      # about 100,000 checked states in all
+STEPS_PER_RUN, RUNS = 200, 650      # about 105,000 checked states in all
 
 
 class Block:
