@@ -77,7 +77,7 @@ def _new_axes(ax, size):
 
 
 def _owner_label(o) -> str:
-    return o if isinstance(o, str) else f"seq {o}"
+    return o if o in (SHARED, "used") else f"seq {o}"
 
 
 def _legend(ax, colors, free=True, loc="upper left"):
@@ -124,8 +124,10 @@ def draw_pool(owners, *, fills=None, block_size=None, notes=None, ncols=16, titl
     notes = dict(notes or {})
     ncols = min(int(ncols), n)
     nrows = -(-n // ncols)
-    fig, ax = _new_axes(ax, (min(0.62 * ncols, 11) + 1.6, 0.62 * nrows + 0.7))
     colors = owner_colors(owners)
+    legend_rows = len(colors) + 1
+    fig, ax = _new_axes(ax, (min(0.62 * ncols, 11) + 1.6,
+                             max(0.62 * nrows + 0.7, 0.22 * legend_rows + 0.6)))
     for b, o in enumerate(owners):
         r, c = divmod(b, ncols)
         x, y = c, nrows - 1 - r
@@ -139,7 +141,7 @@ def draw_pool(owners, *, fills=None, block_size=None, notes=None, ncols=16, titl
             ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, h, facecolor=color,
                                    edgecolor="none"))
         text_color = "black" if free or color in ("#F0E442", "#E69F00", "#56B4E9") else "white"
-        if partial and fills[b] < block_size / 2:
+        if partial and fills[b] <= block_size / 2:
             text_color = "black"
         ax.text(x + 0.5, y + (0.62 if b in notes else 0.5), str(b), ha="center",
                 va="center", fontsize=9, color=text_color)
