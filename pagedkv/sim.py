@@ -274,12 +274,12 @@ class PagedKV:
         return self.allocator.num_used, int(_cdiv(lens, self.block_size).sum())
 
     def ownership(self) -> np.ndarray:
-        """Each block's owner: the row of the one sequence mapping it, -2 if shared, -1 free."""
+        """Each block's owner: the id of the one sequence mapping it, -2 if shared, -1 free."""
         m = self.manager
         out = np.full(self.allocator.num_blocks, -1, dtype=np.int64)
         ref = self.allocator.refcounts()
-        for row, sid in enumerate(m.seq_ids):
-            out[m.block_table(sid)] = row
+        for sid in m.seq_ids:
+            out[m.block_table(sid)] = sid
         out[ref > 1] = -2
         return out
 
@@ -777,7 +777,7 @@ def beam_search(kv: PagedKV, first_id: int, prompt: int, output: int, width: int
     beams. Every beam is verified when it is freed. Sequence ids are ``first_id, first_id+1, …``.
 
     Returns (sum over steps of blocks in use, sum over steps of blocks without sharing).
-    ``record`` (a list) receives ``(used, unshared, ownership)`` after every step.
+    ``record`` (a list) receives ``(used, unshared, ownership, copies so far)`` after every step.
     """
     _positive(width, "beam width")
     _positive(prompt, "prompt")
@@ -806,7 +806,7 @@ def beam_search(kv: PagedKV, first_id: int, prompt: int, output: int, width: int
         used_sum += used
         unshared_sum += unshared
         if record is not None:
-            record.append((used, unshared, kv.ownership()))
+            record.append((used, unshared, kv.ownership(), kv.copies))
     for b in beams:
         kv.free(b)
     return used_sum, unshared_sum
@@ -828,7 +828,7 @@ def parallel_sampling(kv: PagedKV, first_id: int, prompt: int, output: int, n: i
         used_sum += used
         unshared_sum += unshared
         if record is not None:
-            record.append((used, unshared, kv.ownership()))
+            record.append((used, unshared, kv.ownership(), kv.copies))
     for s in ids:
         kv.free(s)
     return used_sum, unshared_sum
