@@ -505,9 +505,14 @@ def _decode_numpy(q, cache, block_tables, seq_lens, scale, num_splits, kv_dtype)
 # --------------------------------------------------------------------------- GPU launch
 
 def _config(group: int, kv_dtype: str, head_dim: int):
-    """(warps per CTA, tokens per group per tile, ring stages, chunks per thread; 0 = auto)."""
+    """(warps per CTA, tokens per group per tile, ring stages, chunks per thread; 0 = auto).
+
+    Chosen from the H200 sweep in perf/LOG.md: two 16-byte chunks per thread (so 8 threads share
+    a 128-dim fp16 row and the score needs 3 shuffle rounds, not 4), two tokens per group per
+    tile, a ring of two tiles. Groups of 5–8 heads keep one chunk (registers would spill).
+    """
     if group <= 4:
-        return 4, 4, 2, 0
+        return 4, 2, 2, 2
     return 4, 2, 3, 0
 
 
@@ -532,31 +537,26 @@ def _ctas_per_sm(fn, threads: int, smem: int) -> int:
                       (228 * 1024) // (smem + 1024)))
 
 
-def choose_num_splits(work: int, max_len: int, slots: int, tile: int, row_bytes: int,
-                      bandwidth: float = 4.0e12, saturation: float = 0.5,
-                      merge_us: float = 3.0, out_bytes: int = 0) -> int:
-    """How many splits of each sequence make the decode fastest, by a small time model.
+def choose_num_splits(work: int, max_len: int, sms: int, ctas_per_sm: int, tile: int) -> int:
+    """How many pieces to cut each sequence into, so that the whole GPU is busy.
 
-    ``work`` CTAs (batch × kv_heads) each cover ``max_len`` tokens; the GPU holds ``slots`` CTAs at
-    once. With ``s`` splits there are ``work·s`` CTAs of ``max_len/s`` tokens, run in waves of
-    ``slots``; a wave that is less than ``saturation`` full still costs that fraction (memory
-    bandwidth saturates before every slot is busy). Splits add a merge launch and its traffic.
+    ``work`` = batch × kv_heads CTAs would run without splitting; ``ctas_per_sm`` of them fit on
+    each of the ``sms`` multiprocessors at once. The rule was fitted to H200 measurements
+    (perf/LOG.md): two CTAs per SM already saturate memory bandwidth, extra waves cost little
+    once there are at least two of them, and every split adds a merge.
+
+    * two or more full waves of CTAs: no split;
+    * one to two waves: 2 splits (a second wave that is only partly full costs more than a merge);
+    * less than one wave: enough splits for about two CTAs per SM, all resident at once.
     """
-    best, best_t = 1, float("inf")
-    max_splits = max(1, min(128, max_len // (2 * tile)))
-    for s in range(1, max_splits + 1):
-        per_split = -(-max_len // s)
-        per_split = -(-per_split // tile) * tile
-        waves = work * s / slots
-        full = math.floor(waves)
-        rem = waves - full
-        waves_eff = full + (max(rem, saturation) if rem > 1e-9 else 0.0)
-        t = waves_eff * slots * per_split * 2 * row_bytes / bandwidth
-        if s > 1:
-            t += merge_us * 1e-6 + 2 * work * s * out_bytes / bandwidth
-        if t < best_t * 0.98:                            # prefer fewer splits on near-ties
-            best, best_t = s, t
-    return best
+    slots = sms * ctas_per_sm
+    if work >= 2 * slots:
+        s = 1
+    elif work >= slots:
+        s = 2
+    else:
+        s = max(1, (2 * sms) // work)
+    return max(1, min(s, max_len // (2 * tile)))       # at least two tiles per split
 
 
 @functools.lru_cache(maxsize=256)
@@ -579,12 +579,11 @@ def _plan(q_shape, cache_shape, itemsize, kv_dtype, max_blocks, num_splits, nwar
     tile = nwarps * (32 // tpt) * unroll                  # tokens per tile
     max_len = max_blocks * bs                            # an upper bound known without a sync
     if num_splits is None:
-        slots = sm_count() * _ctas_per_sm(fn, threads,
-                                          smem_bytes(kv_dtype, d, nwarps, unroll, stages, nv))
-        num_splits = choose_num_splits(batch * kv_heads, max_len, slots, tile, d * itemsize,
-                                       out_bytes=group * d * 4)
+        occupancy = _ctas_per_sm(fn, threads, smem_bytes(kv_dtype, d, nwarps, unroll, stages, nv))
+        num_splits = choose_num_splits(batch * kv_heads, max_len, sm_count(), occupancy, tile)
     num_splits = max(1, min(int(num_splits), -(-max_len // tile)))
-    split_tokens = -(-(-(-max_len // num_splits)) // tile) * tile
+    split_tokens = -(-(-(-max_len // num_splits)) // tile) * tile  # a whole number of tiles
+    num_splits = -(-max_len // split_tokens)             # rounding up may leave one fewer
     merge = kernel(PAGED_DECODE_SOURCE, f"merge_splits<{code}>") if num_splits > 1 else None
     return fn, merge, threads, num_splits, split_tokens
 

@@ -51,28 +51,28 @@ __global__ void write_kv(const Vec* __restrict__ k, const Vec* __restrict__ v,
 // copy_blocks: for every pair (src, dst) and every layer, block dst becomes a copy of block src.
 //   caches  [layers]   the address of each layer's cache (all the same shape)
 //   pairs   [n][2]     (src, dst) block ids
-// blockIdx.x picks the pair, blockIdx.y the layer; the CTA's threads stride through the block's
-// block_vecs Vecs, UNROLL of them per thread per step so that several loads are in flight before
-// the first store (memory latency is ~1 microsecond: keep many requests waiting at once).
+// A block is cut into chunks of blockDim.x * UNROLL Vecs; one CTA copies one chunk:
+// blockIdx.x = pair * chunks + chunk, blockIdx.y = layer. Each thread first loads its UNROLL
+// Vecs, then stores them, so several loads are in flight at once (memory answers after about a
+// microsecond; many small CTAs keep the GPU full, as in write_kv).
 template <typename Vec, int UNROLL>
 __global__ void copy_blocks(const unsigned long long* __restrict__ caches,
-                            const int* __restrict__ pairs, int block_vecs) {
+                            const int* __restrict__ pairs, int block_vecs, int chunks) {
+    const int pair = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
     Vec* cache = reinterpret_cast<Vec*>(caches[blockIdx.y]);
-    const Vec* src = cache + (long long)pairs[2 * blockIdx.x] * block_vecs;
-    Vec* dst = cache + (long long)pairs[2 * blockIdx.x + 1] * block_vecs;
-    const int step = blockDim.x * UNROLL;
-    for (int base = threadIdx.x; base < block_vecs; base += step) {
-        Vec buf[UNROLL];
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {   // all loads first ...
-            int j = base + u * blockDim.x;
-            if (j < block_vecs) buf[u] = src[j];
-        }
-        #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {   // ... then all stores
-            int j = base + u * blockDim.x;
-            if (j < block_vecs) dst[j] = buf[u];
-        }
+    const Vec* src = cache + (long long)pairs[2 * pair] * block_vecs;
+    Vec* dst = cache + (long long)pairs[2 * pair + 1] * block_vecs;
+    const int base = chunk * blockDim.x * UNROLL + threadIdx.x;
+    Vec buf[UNROLL];
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {   // all loads first ...
+        int j = base + u * blockDim.x;
+        if (j < block_vecs) buf[u] = src[j];
+    }
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {   // ... then all stores
+        int j = base + u * blockDim.x;
+        if (j < block_vecs) dst[j] = buf[u];
     }
 }
 """
@@ -214,5 +214,9 @@ def _copy_blocks_launch(layers, pairs):
     block_bytes = layers[0].nbytes // layers[0].shape[0]
     width, ctype = _vec(block_bytes, *layers)
     ptrs = cp.asarray(np.array([a.data.ptr for a in layers], dtype=np.uint64))
-    fn = kernel(CACHE_OPS_SOURCE, f"copy_blocks<{ctype}, 4>")
-    fn((pairs.shape[0], len(layers)), (256,), (ptrs, pairs, np.int32(block_bytes // width)))
+    threads, unroll = 256, 2
+    block_vecs = block_bytes // width
+    chunks = -(-block_vecs // (threads * unroll))
+    fn = kernel(CACHE_OPS_SOURCE, f"copy_blocks<{ctype}, {unroll}>")
+    fn((pairs.shape[0] * chunks, len(layers)), (threads,),
+       (ptrs, pairs, np.int32(block_vecs), np.int32(chunks)))
