@@ -66,8 +66,7 @@ def plot_breakdown(runs, ax=None, busy: bool = True):
     ax.xaxis.set_major_formatter(_percent())
     ax.set_xlabel("share of the pool, averaged over the steps when a request waited" if busy
                   else "share of the pool, averaged over all steps")
-    ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35 if busy else -0.3),
-              frameon=False)
+    ax.legend(ncol=5, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     return ax
 
 
