@@ -10,6 +10,8 @@ def source(obj, language: str = "python"):
 
     Falls back to plain text when IPython is not installed.
     """
+    if isinstance(obj, property):
+        obj = obj.fget
     text = textwrap.dedent(inspect.getsource(obj))
     try:
         from IPython.display import Code
