@@ -242,6 +242,11 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
         num_splits=splits, regs=fn_attr(fn, "num_regs", -1),
         spill_bytes=fn_attr(fn, "local_size_bytes", -1))
     msg = [f"pagedkv {ms*1e3:8.1f} us (splits {splits}, err {err_ref:.1e})"]
+    # the same launches without the public function's argument checks: the Python share
+    ms_l, _ = time_cupy(lambda: attn._decode_cupy(q, cache, tables, lens, 1 / math.sqrt(d), out,
+                                                  None, dtype), reps=args.reps)
+    row("pagedkv.launch_only", ms_l)
+    msg.append(f"launch only {ms_l*1e3:6.1f} us")
 
     if args.sweep:   # other launch configurations and split counts, same data
         best_sweep = None

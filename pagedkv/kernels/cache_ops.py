@@ -8,6 +8,8 @@ A *slot* is ``block * block_size + offset``; slot −1 means "padding, write not
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import backend
@@ -208,12 +210,18 @@ def copy_blocks(cache, pairs):
     return cache
 
 
+@functools.lru_cache(maxsize=64)
+def _pointer_table(ptrs: tuple):
+    """The layers' addresses as a device array, made once per set of caches: an upload per call
+    would be a host-to-device copy that waits for the GPU to finish its earlier work."""
+    return backend.xp.asarray(np.array(ptrs, dtype=np.uint64))
+
+
 def _copy_blocks_launch(layers, pairs):
     """The launch alone: ``pairs`` already checked and on the GPU (int32 [n, 2])."""
-    cp = backend.xp
     block_bytes = layers[0].nbytes // layers[0].shape[0]
     width, ctype = _vec(block_bytes, *layers)
-    ptrs = cp.asarray(np.array([a.data.ptr for a in layers], dtype=np.uint64))
+    ptrs = _pointer_table(tuple(a.data.ptr for a in layers))
     threads, unroll = 256, 2
     block_vecs = block_bytes // width
     chunks = -(-block_vecs // (threads * unroll))
