@@ -556,7 +556,9 @@ def choose_num_splits(work: int, max_len: int, sms: int, ctas_per_sm: int, tile:
         s = 2
     else:
         s = max(1, (2 * sms) // work)
-    return max(1, min(s, max_len // (2 * tile)))       # at least two tiles per split
+    s = max(1, min(s, max_len // (2 * tile)))          # at least two tiles per split
+    per_split = -(-(-(-max_len // s)) // tile) * tile    # a whole number of tiles each ...
+    return -(-max_len // per_split)                      # ... which may leave fewer splits
 
 
 @functools.lru_cache(maxsize=256)
