@@ -97,6 +97,19 @@ def test_numpy_long_sequence_with_splits():
     assert rel_err(out, ref) < TOL["float16"]
 
 
+def test_choose_num_splits_fills_the_gpu_and_cuts_whole_tiles():
+    from pagedkv.kernels import choose_num_splits
+    sms, occ, tile = 132, 3, 32
+    assert choose_num_splits(2 * sms * occ, 8192, sms, occ, tile) == 1      # two full waves
+    assert choose_num_splits(sms * occ, 8192, sms, occ, tile) == 2          # one to two waves
+    for work, max_len in [(1, 100000), (8, 32768), (128, 4096), (5, 65), (3, 64)]:
+        s = choose_num_splits(work, max_len, sms, occ, tile)
+        per_split = -(-(-(-max_len // s)) // tile) * tile
+        assert 1 <= s and (s - 1) * per_split < max_len                    # no empty split
+        assert work * s <= 2 * sms or s == 1                                # ~2 CTAs per SM
+        assert s == 1 or max_len // s >= tile                               # splits hold tiles
+
+
 def test_write_kv_ref_skips_padding():
     rng = rng_for(104)
     cache = rng.standard_normal((6, 2, 4, 2, 8)).astype(np.float16)

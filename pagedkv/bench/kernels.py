@@ -279,6 +279,7 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
                 fo = fi()
                 torch.cuda.synchronize()
                 err_fi = rel_err(got, fo.float().cpu().numpy().astype(np.float64))
+                assert err_fi < 2 * tol, f"differs from FlashInfer ({'tc' if tc else 'cc'}) by {err_fi:.2e}"
                 ms_fi, single = time_torch(fi, reps=args.reps)
                 row("flashinfer.tc" if tc else "flashinfer.cuda", ms_fi, err_vs_ours=err_fi,
                     us_single_call=round(single * 1e3, 2))
@@ -286,6 +287,8 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
                 if best is None or ms_fi < best:
                     best = ms_fi
                 del fi
+            except AssertionError:
+                raise
             except Exception as exc:
                 msg.append(f"fi[{tc}] failed: {type(exc).__name__}: {str(exc)[:200]}")
         if best is not None:
