@@ -45,7 +45,12 @@ class Plan(NamedTuple):
 
 
 class StepPlan(NamedTuple):
-    """One decode step for a batch: every sequence in ``seq_ids`` gains one token."""
+    """One decode step for a batch: every sequence in ``seq_ids`` gains one token.
+
+    ``block_tables`` is read-only. When the step covered every sequence (``step()`` with no
+    argument) it is a view of the manager's own table, as an engine's persistent batch is: it
+    is valid until the next call that changes the manager, so upload or copy it before then.
+    """
     seq_ids: list            # batch order
     slot_mapping: np.ndarray  # int32 [batch]: slot of each sequence's new token
     block_tables: np.ndarray  # int32 [batch, max blocks]: -1 pads the shorter rows
@@ -322,7 +327,9 @@ class KVCacheManager:
             lens[r] = p + 1
             cow_flags[r] = False
         copies = np.array(pairs, dtype=np.int32) if pairs else _NO_COPIES
-        return StepPlan(ids, np.array(slots, dtype=np.int32), tables[rows, :width],
+        block_tables = tables[rows, :width]
+        block_tables.flags.writeable = False
+        return StepPlan(ids, np.array(slots, dtype=np.int32), block_tables,
                         np.array(pos, dtype=np.int32) + 1, copies)
 
     def _step_vector(self, ids: list, rows) -> StepPlan:
@@ -337,7 +344,10 @@ class KVCacheManager:
             rows = np.array(rows, dtype=np.intp)
             pos = self._lens[rows]
             flagged = self._cow[rows]
-        lblk, off = np.divmod(pos, bs)
+        if bs & (bs - 1):
+            lblk, off = np.divmod(pos, bs)
+        else:                                  # a power of two: shift and mask are cheaper
+            lblk, off = pos >> (bs.bit_length() - 1), pos & (bs - 1)
         fresh = off == 0                       # the token starts a new block
         k = int(np.count_nonzero(fresh))
         # Copy-on-write: only rows flagged since their last write can need a copy; walk them in
@@ -382,7 +392,8 @@ class KVCacheManager:
             self._lens[rows] += 1
         slot_mapping = flat[at] * bs + off
         width = int(lblk.max()) + 1
-        block_tables = tables[:n, :width].copy() if dense else tables[rows, :width]
+        block_tables = tables[:n, :width] if dense else tables[rows, :width]
+        block_tables.flags.writeable = False
         return StepPlan(ids, slot_mapping, block_tables, pos + 1, copies)
 
     def fork(self, parent, *children) -> None:

@@ -282,3 +282,19 @@ def test_small_and_vector_step_paths_agree():
             assert x.dtype == y.dtype and np.array_equal(x, y), field
         small.audit()
         vector.audit()
+
+
+@pytest.mark.parametrize("block_size", [3, 4])
+def test_step_block_tables_are_read_only(block_size):
+    m = make(num_blocks=200, block_size=block_size)
+    for s in range(20):
+        m.add(s, s + 1)
+    for batch in (None, [3, 1], list(range(18))):
+        plan = m.step(batch)
+        kept = np.array(plan.block_tables)
+        with pytest.raises(ValueError):
+            plan.block_tables[0, 0] = 99
+        assert np.array_equal(kept, plan.block_tables)
+        for i, s in enumerate(plan.seq_ids):
+            assert plan.slot_mapping[i] == m.slot(s, m.num_tokens(s) - 1)
+    m.audit()
