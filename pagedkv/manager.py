@@ -23,6 +23,7 @@ not forked since its last write.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -80,6 +81,12 @@ class CacheStats:
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+def _int32(ids: list) -> np.ndarray:
+    """A list of Python ints as an int32 array. ``struct`` packs a list of ints about twice as
+    fast as ``np.array`` converts one, which inspects every element's type first."""
+    return np.frombuffer(struct.pack(f"{len(ids)}i", *ids), dtype=np.int32)
 
 
 class KVCacheManager:
@@ -372,9 +379,9 @@ class KVCacheManager:
         flat = tables.reshape(-1)              # a view: flat indexing is the fastest gather
         at = rows * tables.shape[1] + lblk     # flat index of each row's current block
         if k == n:
-            flat[at] = np.array(alloc.allocate_n(k), dtype=np.int32)
+            flat[at] = _int32(alloc.allocate_n(k))
         elif k:
-            flat[at[fresh]] = np.array(alloc.allocate_n(k), dtype=np.int32)
+            flat[at[fresh]] = _int32(alloc.allocate_n(k))
         copies = _NO_COPIES
         if cow:
             pairs = []
