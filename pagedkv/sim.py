@@ -770,6 +770,15 @@ def _beam_children(rng, scores, width, alpha, vocab):
     return best // width, cand.ravel()[best]
 
 
+def _tally(kv: PagedKV, record) -> tuple[int, int]:
+    """Blocks in use now and blocks the same sequences would hold unshared; appended to
+    ``record`` (with the pool's owners and the copies so far) when one is given."""
+    used, unshared = kv.used_and_unshared()
+    if record is not None:
+        record.append((used, unshared, kv.ownership(), kv.copies))
+    return used, unshared
+
+
 def beam_search(kv: PagedKV, first_id: int, prompt: int, output: int, width: int, rng, *,
                 alpha: float = 0.3, vocab: int = 64, record=None) -> tuple[int, int]:
     """One beam-search request as a process on ``kv``: prefill the prompt, then every step fork
@@ -802,11 +811,9 @@ def beam_search(kv: PagedKV, first_id: int, prompt: int, output: int, width: int
             kv.free(beams[i])            # pruned: verified, then its blocks go back
         beams = new
         kv.step(beams)
-        used, unshared = kv.used_and_unshared()
+        used, unshared = _tally(kv, record)
         used_sum += used
         unshared_sum += unshared
-        if record is not None:
-            record.append((used, unshared, kv.ownership(), kv.copies))
     for b in beams:
         kv.free(b)
     return used_sum, unshared_sum
@@ -824,11 +831,9 @@ def parallel_sampling(kv: PagedKV, first_id: int, prompt: int, output: int, n: i
     used_sum = unshared_sum = 0
     for _ in range(output):
         kv.step(ids)
-        used, unshared = kv.used_and_unshared()
+        used, unshared = _tally(kv, record)
         used_sum += used
         unshared_sum += unshared
-        if record is not None:
-            record.append((used, unshared, kv.ownership(), kv.copies))
     for s in ids:
         kv.free(s)
     return used_sum, unshared_sum
