@@ -360,7 +360,8 @@ class KVCacheManager:
         # Copy-on-write: only rows flagged since their last write can need a copy; walk them in
         # Python (they are few), counting each block's references down as copies are made.
         cow = []
-        if flagged.any():
+        any_flagged = bool(flagged.any())
+        if any_flagged:
             ref = alloc._ref
             left: dict[int, int] = {}
             for i in np.flatnonzero(flagged).tolist():
@@ -374,7 +375,8 @@ class KVCacheManager:
         if k + len(cow) > alloc.num_free:
             raise OutOfBlocks(k + len(cow), alloc.num_free, f"step of {n} sequences")
         # --- from here on nothing can fail
-        self._grow_cols(int(lblk.max()) + 1)
+        width = int(lblk.max()) + 1            # blocks in the longest row, the new token's too
+        self._grow_cols(width)
         tables = self._tables
         flat = tables.reshape(-1)              # a view: flat indexing is the fastest gather
         at = rows * tables.shape[1] + lblk     # flat index of each row's current block
@@ -391,17 +393,19 @@ class KVCacheManager:
                 flat[at[i]] = dst
                 pairs.append((src, dst))
             copies = np.array(pairs, dtype=np.int32)
-        if dense:
-            flagged[:] = False
-            self._lens[:n] += 1
-        else:
+        if any_flagged:
             self._cow[rows] = False
-            self._lens[rows] += 1
-        slot_mapping = flat[at] * bs + off
-        width = int(lblk.max()) + 1
+        pos += 1                               # pos is our own copy: now the new lengths
+        if dense:
+            self._lens[:n] = pos
+        else:
+            self._lens[rows] = pos
+        slot_mapping = flat[at]
+        slot_mapping *= bs
+        slot_mapping += off
         block_tables = tables[:n, :width] if dense else tables[rows, :width]
         block_tables.flags.writeable = False
-        return StepPlan(ids, slot_mapping, block_tables, pos + 1, copies)
+        return StepPlan(ids, slot_mapping, block_tables, pos, copies)
 
     def fork(self, parent, *children) -> None:
         """Each child starts as a copy of ``parent`` that shares all its blocks.
