@@ -213,6 +213,15 @@ class KVCacheManager:
     def can_append(self, seq_id, n: int = 1) -> bool:
         return self.blocks_needed(seq_id, n) <= self.allocator.num_free
 
+    def _check_new(self, seq_id, what: str) -> None:
+        """A new sequence id must be hashable and not already live."""
+        try:
+            hash(seq_id)
+        except TypeError:
+            raise ConfigError(f"sequence ids must be hashable, got {seq_id!r}") from None
+        if seq_id in self._row_of:
+            raise SequenceExists(f"{what} {seq_id!r}: that sequence already exists")
+
     @staticmethod
     def _check_count(n) -> int:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -222,12 +231,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ mutations
     def add(self, seq_id, num_tokens: int = 0) -> Plan:
         """Register a new sequence, optionally with ``num_tokens`` prompt tokens (prefill)."""
-        if seq_id in self:
-            raise SequenceExists(f"sequence {seq_id!r} already exists")
-        try:
-            hash(seq_id)
-        except TypeError:
-            raise ConfigError(f"sequence ids must be hashable, got {seq_id!r}") from None
+        self._check_new(seq_id, "sequence")
         if num_tokens:
             num_tokens = self._check_count(num_tokens)
             need = _cdiv(num_tokens, self.block_size)
@@ -416,15 +420,10 @@ class KVCacheManager:
         prow = self._row(parent)
         if not children:
             raise ConfigError("fork needs at least one child id")
+        for c in children:
+            self._check_new(c, "cannot fork onto")
         if len(set(children)) != len(children):
             raise SequenceExists("the same child id is given twice")
-        for c in children:
-            if c in self:
-                raise SequenceExists(f"cannot fork onto {c!r}: that sequence already exists")
-            try:
-                hash(c)
-            except TypeError:
-                raise ConfigError(f"sequence ids must be hashable, got {c!r}") from None
         length = int(self._lens[prow])
         nb = _cdiv(length, self.block_size)
         self.allocator._add_owners(self._tables[prow, :nb].tolist(), len(children))

@@ -196,6 +196,9 @@ def test_misuse():
         m.append("nope")
     with pytest.raises(ConfigError, match="hashable"):
         m.add(["unhashable"])
+    with pytest.raises(ConfigError, match="hashable"):
+        m.fork("a", "ok", ["unhashable"])
+    assert "ok" not in m
     m.free("b")
     with pytest.raises(UnknownSequence):
         m.free("b")
