@@ -20,10 +20,14 @@ Invariants, checked by :meth:`KVCacheManager.audit` (with the allocator's own):
 Only the partly filled last block of a sequence is ever written, so only it can need a copy; the
 ``_cow`` flag lets the batched :meth:`step` skip reference-count checks for every row that has
 not forked since its last write.
+
+The manager takes and returns blocks only through the allocator's batched calls
+(``allocate_array``, and ``_add_owners`` / ``_drop_owners`` for whole page tables), so every
+count it creates lives in the allocator's NumPy array and a decode step never loops over its
+sequences in Python.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,6 +41,7 @@ __all__ = ["KVCacheManager", "Plan", "StepPlan", "CacheStats"]
 
 _NO_COPIES = np.zeros((0, 2), dtype=np.int32)
 _NO_COPIES.flags.writeable = False
+_NO_BLOCKS = np.zeros(0, dtype=np.intp)
 
 
 class Plan(NamedTuple):
@@ -83,12 +88,6 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def _int32(ids: list) -> np.ndarray:
-    """A list of Python ints as an int32 array. ``struct`` packs a list of ints about twice as
-    fast as ``np.array`` converts one, which inspects every element's type first."""
-    return np.frombuffer(struct.pack(f"{len(ids)}i", *ids), dtype=np.int32)
-
-
 class KVCacheManager:
     """Page tables for many sequences over one :class:`BlockAllocator`.
 
@@ -123,7 +122,10 @@ class KVCacheManager:
         self._cow = np.zeros(rows, dtype=bool)
         self._ids: list = []          # row -> sequence id
         self._row_of: dict = {}       # sequence id -> row
-        self._arange = np.arange(rows)
+        self._rowbase = np.arange(rows, dtype=np.intp) * cols   # flat index of each row's start
+        self._longest = 0             # length of the longest live sequence
+        # shift and mask for a power-of-two block size: cheaper than divmod
+        self._shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else None
 
     # ------------------------------------------------------------------ lookups
     def _row(self, seq_id) -> int:
@@ -183,7 +185,7 @@ class KVCacheManager:
         self._tables = tables
         self._lens = np.concatenate([self._lens, np.zeros(new - rows, np.int32)])
         self._cow = np.concatenate([self._cow, np.zeros(new - rows, bool)])
-        self._arange = np.arange(new)
+        self._rowbase = np.arange(new, dtype=np.intp) * tables.shape[1]
 
     def _grow_cols(self, need: int) -> None:
         cols = self._tables.shape[1]
@@ -193,12 +195,13 @@ class KVCacheManager:
         tables = np.full((self._tables.shape[0], new), -1, dtype=np.int32)
         tables[:, :cols] = self._tables
         self._tables = tables
+        self._rowbase = np.arange(tables.shape[0], dtype=np.intp) * new
 
     def _copy_needed(self, row: int, length: int) -> int:
         """Block id that must be copied before the row's next write, or -1."""
         if self._cow[row] and length % self.block_size:
             b = int(self._tables[row, length // self.block_size])
-            if self.allocator._ref[b] > 1:
+            if self.allocator.refcount(b) > 1:
                 return b
         return -1
 
@@ -216,10 +219,10 @@ class KVCacheManager:
     def _check_new(self, seq_id, what: str) -> None:
         """A new sequence id must be hashable and not already live."""
         try:
-            hash(seq_id)
+            taken = seq_id in self._row_of
         except TypeError:
             raise ConfigError(f"sequence ids must be hashable, got {seq_id!r}") from None
-        if seq_id in self._row_of:
+        if taken:
             raise SequenceExists(f"{what} {seq_id!r}: that sequence already exists")
 
     @staticmethod
@@ -263,21 +266,19 @@ class KVCacheManager:
             raise OutOfBlocks(need, alloc.num_free, f"append {n} to {seq_id!r}")
         self._grow_cols(want)
         table = self._tables[row]
+        new = alloc._take(need) if need else _NO_BLOCKS   # the copy's block first, if any
         copies = _NO_COPIES
         if src >= 0:
-            dst = alloc.allocate()
-            alloc.free(src)          # drops our reference; the other owners keep the block
-            table[length // bs] = dst
-            copies = np.array([[src, dst]], dtype=np.int32)
+            dst = new[:1]
+            alloc._drop_owners(np.array([src]))   # ours; the other owners keep the block
+            table[length // bs] = dst[0]
+            copies = np.array([[src, dst[0]]], dtype=np.int32)
+            new = new[1:]
         self._cow[row] = False       # the last block is ours alone, or about to be a new one
-        if want > have:
-            table[have:want] = alloc.allocate_n(want - have)
+        table[have:want] = new
         self._lens[row] = length + n
+        self._longest = max(self._longest, length + n)
         return Plan(slots_of(table, np.arange(length, length + n), bs), copies)
-
-    #: Batches up to this size take a plain-Python path: NumPy's cost per call outweighs its
-    #: speed per element below a few dozen sequences. Both paths return identical plans.
-    small_batch = 16
 
     def step(self, seq_ids=None) -> StepPlan:
         """One decode step: every sequence in ``seq_ids`` (default: all, in row order) gains a
@@ -288,128 +289,153 @@ class KVCacheManager:
         """
         if seq_ids is None:
             ids = list(self._ids)
-            rows = None
-        else:
-            ids = list(seq_ids)
-            rows = [self._row(s) for s in ids]
-            if len(set(rows)) != len(rows):
-                raise ConfigError("a sequence appears more than once in one step")
+            if len(ids) <= self.small_batch:
+                return self._step_few(ids, list(range(len(ids))))
+            return self._step(ids, None)
+        ids = list(seq_ids)
+        rows = [self._row(s) for s in ids]
+        if len(set(rows)) != len(rows):
+            raise ConfigError("a sequence appears more than once in one step")
         if len(ids) <= self.small_batch:
-            return self._step_small(ids, list(range(len(ids))) if rows is None else rows)
-        return self._step_vector(ids, rows)
+            return self._step_few(ids, rows)
+        return self._step(ids, np.array(rows, dtype=np.intp))
 
-    def _step_small(self, ids: list, rows: list) -> StepPlan:
-        bs, alloc, ref = self.block_size, self.allocator, self.allocator._ref
-        lens, cow_flags, tables = self._lens, self._cow, self._tables
-        pos = [int(lens[r]) for r in rows]
+    #: Batches up to this size take :meth:`_step_few`, a plain-Python loop: each NumPy call
+    #: costs about a microsecond however small its array, which outweighs its speed per element
+    #: below a dozen or so sequences. Both paths return identical plans (a test checks).
+    small_batch = 8
+
+    def _step_few(self, ids: list, rows: list) -> StepPlan:
+        """The step for a few rows, one Python loop over them."""
+        bs, alloc, lens, tables = self.block_size, self.allocator, self._lens, self._tables
+        pos = [lens.item(r) for r in rows]
         fresh = [p % bs == 0 for p in pos]
-        k = sum(fresh)
-        cow: dict[int, int] = {}               # batch index -> block to copy
-        left: dict[int, int] = {}
-        for i, r in enumerate(rows):
-            if cow_flags[r] and not fresh[i]:
-                b = int(tables[r, pos[i] // bs])
-                count = left.get(b, ref[b])
-                if count > 1:
-                    cow[i] = b
-                    left[b] = count - 1
-        if k + len(cow) > alloc.num_free:
-            raise OutOfBlocks(k + len(cow), alloc.num_free, f"step of {len(ids)} sequences")
+        k = fresh.count(True)
+        cow = self._cow
+        flagged = [i for i, r in enumerate(rows) if cow.item(r) and not fresh[i]]
+        copy_src: dict[int, int] = {}          # batch index -> block it must copy
+        if flagged:
+            left: dict[int, int] = {}
+            for i in flagged:
+                b = tables.item(rows[i], pos[i] // bs)
+                c = left.get(b) or alloc.refcount(b)
+                if c > 1:
+                    copy_src[i] = b
+                    left[b] = c - 1
+        need = k + len(copy_src)
+        if need > alloc.num_free:
+            raise OutOfBlocks(need, alloc.num_free, f"step of {len(ids)} sequences")
         # --- from here on nothing can fail
         width = max(pos) // bs + 1 if pos else 0
         self._grow_cols(width)
         tables = self._tables
-        new = iter(alloc.allocate_n(k))
-        slots, pairs = [], []
+        new = alloc._take(need).tolist() if need else []
+        j, c = 0, k                            # next fresh block in new, next copy block
+        slots, seq_lens, pairs = [], [], []
         for i, r in enumerate(rows):
             p = pos[i]
             col, off = divmod(p, bs)
             if fresh[i]:
-                b = next(new)
-                tables[r, col] = b
-            elif i in cow:
-                src, b = cow[i], alloc.allocate()
-                alloc.free(src)
-                tables[r, col] = b
-                pairs.append((src, b))
+                b = tables[r, col] = new[j]
+                j += 1
+            elif i in copy_src:
+                b = tables[r, col] = new[c]
+                c += 1
+                pairs.append((copy_src[i], b))
             else:
-                b = int(tables[r, col])
+                b = tables.item(r, col)
             slots.append(b * bs + off)
             lens[r] = p + 1
-            cow_flags[r] = False
-        copies = np.array(pairs, dtype=np.int32) if pairs else _NO_COPIES
-        block_tables = tables[rows, :width]
+            seq_lens.append(p + 1)
+        copies = _NO_COPIES
+        if pairs:
+            copies = np.array(pairs, dtype=np.int32)
+            alloc._drop_owners(copies[:, 0], unique=False)   # the other owners keep each src
+        if flagged:
+            self._cow[rows] = False
+        if pos:
+            self._longest = max(self._longest, max(pos) + 1)
+        block_tables = tables.take(rows, axis=0)[:, :width]
         block_tables.flags.writeable = False
         return StepPlan(ids, np.array(slots, dtype=np.int32), block_tables,
-                        np.array(pos, dtype=np.int32) + 1, copies)
+                        np.array(seq_lens, dtype=np.int32), copies)
 
-    def _step_vector(self, ids: list, rows) -> StepPlan:
-        bs, alloc = self.block_size, self.allocator
-        n = len(ids)
-        dense = rows is None                   # all rows, in order: slices are views
+    def _step(self, ids: list, rows) -> StepPlan:
+        """The step for ``rows`` (an index array), or for all rows in order when ``rows`` is
+        None: then every array below is a view or a slice, not a gather. No Python loop runs
+        over the batch, except over rows that may need a copy-on-write copy."""
+        bs, alloc, n = self.block_size, self.allocator, len(ids)
+        dense = rows is None
         if dense:
-            rows = self._arange[:n]
-            pos = self._lens[:n].copy()
-            flagged = self._cow[:n]
+            lens, flagged = self._lens[:n], self._cow[:n]
         else:
-            rows = np.array(rows, dtype=np.intp)
-            pos = self._lens[rows]
-            flagged = self._cow[rows]
-        if bs & (bs - 1):
-            lblk, off = np.divmod(pos, bs)
-        else:                                  # a power of two: shift and mask are cheaper
-            lblk, off = pos >> (bs.bit_length() - 1), pos & (bs - 1)
+            lens, flagged = self._lens[rows], self._cow[rows]
+        if self._shift is not None:
+            col, off = lens >> self._shift, lens & (bs - 1)
+        else:
+            col, off = np.divmod(lens, bs)
         fresh = off == 0                       # the token starts a new block
         k = int(np.count_nonzero(fresh))
-        # Copy-on-write: only rows flagged since their last write can need a copy; walk them in
-        # Python (they are few), counting each block's references down as copies are made.
-        cow = []
-        any_flagged = bool(flagged.any())
-        if any_flagged:
-            ref = alloc._ref
-            left: dict[int, int] = {}
-            for i in np.flatnonzero(flagged).tolist():
-                if fresh[i]:
-                    continue
-                b = int(self._tables[rows[i], lblk[i]])
-                r = left.get(b, ref[b])
-                if r > 1:
-                    cow.append((i, b))
-                    left[b] = r - 1
-        if k + len(cow) > alloc.num_free:
-            raise OutOfBlocks(k + len(cow), alloc.num_free, f"step of {n} sequences")
-        # --- from here on nothing can fail
-        width = int(lblk.max()) + 1            # blocks in the longest row, the new token's too
-        self._grow_cols(width)
-        tables = self._tables
-        flat = tables.reshape(-1)              # a view: flat indexing is the fastest gather
-        at = rows * tables.shape[1] + lblk     # flat index of each row's current block
-        if k == n:
-            flat[at] = _int32(alloc.allocate_n(k))
-        elif k:
-            flat[at[fresh]] = _int32(alloc.allocate_n(k))
-        copies = _NO_COPIES
-        if cow:
-            pairs = []
-            for i, src in cow:
-                dst = alloc.allocate()
-                alloc.free(src)
-                flat[at[i]] = dst
-                pairs.append((src, dst))
-            copies = np.array(pairs, dtype=np.int32)
-        if any_flagged:
-            self._cow[rows] = False
-        pos += 1                               # pos is our own copy: now the new lengths
+        # blocks in the longest row, the new token's included
         if dense:
-            self._lens[:n] = pos
+            width = self._longest // bs + 1 if n else 0
         else:
-            self._lens[rows] = pos
+            width = int(col.max()) + 1 if n else 0
+        self._grow_cols(width)
+        flat = self._tables.reshape(-1)        # a view: flat indexing is the fastest gather
+        at = (self._rowbase[:n] if dense else self._rowbase[rows]) + col   # each current block
+        # Copy-on-write: only rows flagged since their last write can need a copy. Walk those
+        # (they are few) in Python, counting each block's owners down as copies are made.
+        pick, srcs = [], []
+        any_flagged = n and np.count_nonzero(flagged)
+        if any_flagged:
+            cand = np.flatnonzero(flagged & ~fresh)
+            if len(cand):
+                blocks = flat[at[cand]]
+                left: dict[int, int] = {}
+                for i, b, c in zip(cand.tolist(), blocks.tolist(),
+                                   alloc._counts(blocks).tolist()):
+                    c = left.get(b, c)
+                    if c > 1:
+                        pick.append(i)
+                        srcs.append(b)
+                        left[b] = c - 1
+        need = k + len(srcs)
+        if need > alloc.num_free:
+            raise OutOfBlocks(need, alloc.num_free, f"step of {n} sequences")
+        # --- from here on nothing can fail
+        copies = _NO_COPIES
+        if need:
+            new = alloc._take(need)            # the fresh rows' blocks, then the copies'
+            if k == n:
+                flat[at] = new
+            elif k:
+                flat[at[fresh]] = new[:k]
+            if srcs:
+                src = np.array(srcs, dtype=np.int32)
+                alloc._drop_owners(src, unique=False)   # the other owners keep each src
+                flat[at[pick]] = new[k:]
+                copies = np.stack([src, new[k:].astype(np.int32)], axis=1)
+        if any_flagged:
+            if dense:
+                flagged[:] = False
+            else:
+                self._cow[rows] = False
+        if dense:
+            lens += 1                          # a view: updates the manager's lengths
+            seq_lens = lens.copy()
+            self._longest += n > 0
+        else:
+            seq_lens = lens + 1
+            self._lens[rows] = seq_lens
+            if n:
+                self._longest = max(self._longest, int(seq_lens.max()))
         slot_mapping = flat[at]
         slot_mapping *= bs
         slot_mapping += off
-        block_tables = tables[:n, :width] if dense else tables[rows, :width]
+        block_tables = self._tables[:n, :width] if dense else self._tables[rows, :width]
         block_tables.flags.writeable = False
-        return StepPlan(ids, slot_mapping, block_tables, pos, copies)
+        return StepPlan(ids, slot_mapping, block_tables, seq_lens, copies)
 
     def fork(self, parent, *children) -> None:
         """Each child starts as a copy of ``parent`` that shares all its blocks.
@@ -420,13 +446,21 @@ class KVCacheManager:
         prow = self._row(parent)
         if not children:
             raise ConfigError("fork needs at least one child id")
-        for c in children:
-            self._check_new(c, "cannot fork onto")
-        if len(set(children)) != len(children):
+        try:
+            known = self._row_of
+            clash = [c for c in children if c in known]
+            twice = len(set(children)) != len(children)
+        except TypeError:                      # an unhashable child id: say which
+            for c in children:
+                self._check_new(c, "cannot fork onto")
+            raise
+        if clash:
+            self._check_new(clash[0], "cannot fork onto")   # raises the precise error
+        if twice:
             raise SequenceExists("the same child id is given twice")
         length = int(self._lens[prow])
         nb = _cdiv(length, self.block_size)
-        self.allocator._add_owners(self._tables[prow, :nb].tolist(), len(children))
+        self.allocator._add_owners(self._tables[prow, :nb], len(children))
         first = len(self._ids)
         self._grow_rows(first + len(children))
         rows = slice(first, first + len(children))
@@ -442,8 +476,9 @@ class KVCacheManager:
     def free(self, seq_id) -> None:
         """Release the sequence's blocks (shared ones lose one owner) and forget it."""
         row = self._row(seq_id)
-        nb = _cdiv(int(self._lens[row]), self.block_size)
-        self.allocator.free_n(self._tables[row, :nb].tolist())
+        length = int(self._lens[row])
+        nb = _cdiv(length, self.block_size)
+        self.allocator._drop_owners(self._tables[row, :nb])
         last = len(self._ids) - 1
         if row != last:  # keep rows dense: move the last row into the hole
             moved = self._ids[last]
@@ -457,6 +492,8 @@ class KVCacheManager:
         self._cow[last] = False
         self._ids.pop()
         del self._row_of[seq_id]
+        if length == self._longest:                     # the longest may be gone
+            self._longest = int(self._lens[:last].max()) if last else 0
 
     # ------------------------------------------------------------------ accounting
     def _mapped(self):
@@ -480,7 +517,7 @@ class KVCacheManager:
         stored = int(per_block.sum())
         ref = alloc.refcounts()
         used = alloc.num_used
-        free_ids = np.sort(np.array(alloc._free, dtype=np.int64))
+        free_ids = np.sort(np.array(alloc.free_blocks(), dtype=np.int64))
         if len(free_ids):
             breaks = np.flatnonzero(np.diff(free_ids) != 1)
             runs = np.diff(np.concatenate([[-1], breaks, [len(free_ids) - 1]]))
@@ -509,6 +546,7 @@ class KVCacheManager:
         tables = self._tables[:n]
         mapped = tables[mask]
         assert (self._lens[:n] >= 0).all(), "a negative length"
+        assert self._longest == (int(self._lens[:n].max()) if n else 0), "_longest is off"
         assert ((mapped >= 0) & (mapped < alloc.num_blocks)).all(), "a mapped id outside the pool"
         assert (tables[~mask] == -1).all(), "an entry past a row's last block is not -1"
         assert (self._tables[n:] == -1).all() and not self._lens[n:].any() \

@@ -664,7 +664,7 @@ def _owners(kv: PagedKV, nblocks: int, ids) -> np.ndarray:
         t = kv.manager.block_table(sid)
         t = t[t < nblocks]
         out[t] = sid
-    ref = np.array(kv.allocator._ref[:nblocks])
+    ref = kv.allocator.refcounts()[:nblocks]
     out[ref > 1] = -2
     return out
 

@@ -180,46 +180,111 @@ def test_close_returns_the_memory(xp):
             call()
 
 
-def test_randomized_against_a_dict_model():
+def test_randomized_against_a_list_model():
+    """Every call, single and batched, against a model that is one Python list used as the free
+    stack plus a dict of owner counts: the allocator must hand out the same ids in the same
+    order, though it keeps its stack in two parts and its counts in two places."""
     seed = 20261129
     print(f"seed={seed}")
     rng = random.Random(seed)
-    a = BlockAllocator(32, 8, xp=np)
-    model: dict[int, int] = {}                 # block -> owners; absent = free
-    for _ in range(20_000):
+    nb = 40
+    class SmallRefill(BlockAllocator):
+        REFILL = 5                             # small, so refills happen often
+    a = SmallRefill(nb, 8, xp=np)
+    stack = list(range(nb - 1, -1, -1))        # the model's free stack, top last
+    owners: dict[int, int] = {}                # block -> owners; absent = free
+    seen = {"refill": 0, "batch_free": 0, "released_by_batch": 0, "dup_free_n": 0}
+
+    def drop(blocks):                          # the model's free_n
+        for b in blocks:
+            owners[b] -= 1
+            if not owners[b]:
+                del owners[b]
+                stack.append(b)
+
+    for _ in range(30_000):
         op = rng.random()
-        if op < 0.35:
-            if len(model) < 32:
+        if op < 0.25:
+            if stack:
+                if not a._hot:
+                    seen["refill"] += 1
                 b = a.allocate()
-                assert b not in model
-                model[b] = 1
+                assert b == stack.pop()
+                owners[b] = 1
             else:
                 with pytest.raises(OutOfBlocks):
                     a.allocate()
-        elif op < 0.5:
-            n = rng.randrange(0, 6)
-            if n <= 32 - len(model):
-                for b in a.allocate_n(n):
-                    assert b not in model
-                    model[b] = 1
+        elif op < 0.37:
+            n = rng.randrange(0, 7)
+            as_array = rng.random() < 0.5
+            if n <= len(stack):
+                got = a.allocate_array(n) if as_array else a.allocate_n(n)
+                if as_array:
+                    assert got.dtype == np.int32
+                    got = got.tolist()
+                want = [stack.pop() for _ in range(n)]
+                assert got == want
+                owners.update(dict.fromkeys(want, 1))
             else:
                 with pytest.raises(OutOfBlocks):
                     a.allocate_n(n)
-        elif op < 0.6 and model:
-            b = rng.choice(sorted(model))
+        elif op < 0.45 and owners:
+            b = rng.choice(sorted(owners))
             a.share(b)
-            model[b] += 1
-        elif op < 0.95 and model:
-            b = rng.choice(sorted(model))
-            a.free(b)
-            model[b] -= 1
-            if not model[b]:
-                del model[b]
+            owners[b] += 1
+        elif op < 0.52 and owners:
+            blocks = rng.sample(sorted(owners), k=min(len(owners), rng.randrange(1, 4)))
+            times = rng.randrange(1, 3)
+            a.share_n(np.array(blocks) if rng.random() < 0.5 else blocks, times=times)
+            for b in blocks:
+                owners[b] += times
+        elif op < 0.80 and owners:
+            b = rng.choice(sorted(owners))
+            a.free(b if rng.random() < 0.9 else np.int64(b))
+            drop([b])
+        elif op < 0.92 and owners:
+            pool = sorted(owners)
+            blocks = rng.sample(pool, k=min(len(pool), rng.randrange(1, 5)))
+            if rng.random() < 0.3:             # name a block twice: legal if it has 2 owners
+                blocks.append(blocks[0])
+            if all(blocks.count(b) <= owners[b] for b in blocks):
+                before = len(stack)
+                a.free_n(np.array(blocks) if rng.random() < 0.5 else blocks)
+                drop(blocks)
+                seen["batch_free"] += 1
+                seen["released_by_batch"] += len(stack) - before
+                seen["dup_free_n"] += len(set(blocks)) < len(blocks)
+            else:
+                snapshot = (a.free_blocks(), a.refcounts().tolist())
+                with pytest.raises(DoubleFree):
+                    a.free_n(blocks)
+                assert (a.free_blocks(), a.refcounts().tolist()) == snapshot
         else:
-            b = rng.randrange(32)
-            if b not in model:
+            b = rng.randrange(nb)
+            if b not in owners:
                 with pytest.raises(DoubleFree):
                     a.free(b)
-        assert a.num_used == len(model)
-        assert all(a.refcount(b) == c for b, c in model.items())
+                with pytest.raises(InvalidBlock):
+                    a.share_n([b])
+        assert a.free_blocks() == stack
+        assert a.num_used == len(owners) and a.num_free == len(stack)
+        counts = a.refcounts()
+        assert all(counts[b] == owners.get(b, 0) for b in range(nb))
         a.audit()
+    print(seen)
+    assert min(seen.values()) > 50             # every path was exercised, many times
+
+
+@pytest.mark.parametrize("bad", [-1, -41, 40, 10**6, 2.0, "3", True, None])
+def test_free_rejects_bad_ids_without_changing_anything(bad):
+    a = BlockAllocator(40, 8, xp=np)
+    held = [a.allocate() for _ in range(3)] + a.allocate_n(3)
+    before = (a.free_blocks(), a.refcounts().tolist())
+    with pytest.raises(InvalidBlock):
+        a.free(bad)
+    with pytest.raises(InvalidBlock):
+        a.free_n([held[0], bad])
+    with pytest.raises(InvalidBlock):
+        a.share_n([held[-1], bad])
+    assert (a.free_blocks(), a.refcounts().tolist()) == before
+    a.audit()

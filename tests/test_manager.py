@@ -254,37 +254,46 @@ def test_tables_grow_past_their_first_size():
     m.audit()
 
 
-def test_small_and_vector_step_paths_agree():
-    """The plain-Python path (small batches) and the NumPy path must plan identically."""
+@pytest.mark.parametrize("block_size", [4, 5])
+def test_small_and_vector_step_paths_agree(block_size):
+    """The plain-Python path (small batches) and the NumPy path must plan identically, for
+    whole-batch steps and for subsets, with copy-on-write copies among them."""
     seed = 7
     print(f"seed={seed}")
     rng = np.random.default_rng(seed)
-    small, vector = make(num_blocks=400, block_size=4), make(num_blocks=400, block_size=4)
-    vector.small_batch = 0
-    for m in (small, vector):
-        for s in range(40):
-            m.add(s, int(rng.integers(0, 9)) if m is small else 0)
-    for s in range(40):                                    # same lengths in both
-        n = small.num_tokens(s)
-        if n:
-            vector.append(s, n)
-    forks = 0
-    for step in range(30):
-        if step % 5 == 0:
+    small = make(num_blocks=600, block_size=block_size)
+    vector = make(num_blocks=600, block_size=block_size)
+    small.small_batch = 10**9                              # always the Python loop
+    vector.small_batch = 0                                 # always NumPy
+    for s in range(40):
+        n = int(rng.integers(0, 9))
+        for m in (small, vector):
+            m.add(s, n)
+    forks = copies = subsets = 0
+    for step in range(60):
+        if step % 4 == 0:
             parent = int(rng.choice(small.seq_ids))
+            kids = [1000 + forks + i for i in range(int(rng.integers(1, 4)))]
             for m in (small, vector):
-                m.fork(parent, 1000 + forks)
-            forks += 1
+                m.fork(parent, *kids)
+            forks += len(kids)
+        if step % 7 == 6:                                  # a sequence finishes
+            gone = int(rng.choice(small.seq_ids))
+            for m in (small, vector):
+                m.free(gone)
         batch = None if step % 3 == 0 else [int(x) for x in rng.choice(
             small.seq_ids, size=int(rng.integers(1, 30)), replace=False)]
-        a = small.step(batch if batch is None or len(batch) <= 16 else batch[:16])
-        b = vector.step(batch if batch is None or len(batch) <= 16 else batch[:16])
+        subsets += batch is not None
+        a, b = small.step(batch), vector.step(batch)
         assert a.seq_ids == b.seq_ids
         for field in ("slot_mapping", "block_tables", "seq_lens", "copies"):
             x, y = getattr(a, field), getattr(b, field)
             assert x.dtype == y.dtype and np.array_equal(x, y), field
+        copies += len(a.copies)
         small.audit()
         vector.audit()
+    print(f"{forks} children forked, {copies} copies, {subsets} subset steps")
+    assert copies >= 10 and subsets >= 30
 
 
 @pytest.mark.parametrize("block_size", [3, 4])

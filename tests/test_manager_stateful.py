@@ -34,6 +34,9 @@ class Block:
 
 
 COUNTS = {"steps": 0, "out_of_blocks": 0, "copies": 0}
+# Runs take turns: the manager's default, every step on the NumPy path, every step on the Python
+# loop, so that both step paths meet every situation the rules produce.
+SMALL_BATCH = itertools.cycle([KVCacheManager.small_batch, 0, 10**9])
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -43,6 +46,7 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.m = KVCacheManager(BlockAllocator(NUM_BLOCKS, BLOCK_SIZE * 4, xp=np), BLOCK_SIZE,
                                 max_seqs=2, max_seq_len=4)
+        self.m.small_batch = next(SMALL_BATCH)
         self.pool = np.full(NUM_BLOCKS * BLOCK_SIZE, -1, dtype=np.int64)
         self.tokens: dict[int, list[int]] = {}
         self.blocks: dict[int, list[Block]] = {}
