@@ -15,6 +15,11 @@ touches KV bytes, so its size does not matter here):
 
 Each number is the median over repetitions (the minimum is printed beside it); timings vary with
 what else the machine is doing.
+
+Each repetition drops its manager before the next one is built. Dropping it between building
+the next batch and timing its step put the release of a few megabytes of arrays right before
+the timed step, and every other repetition then took 3-5 times longer: the cost of that memory
+churn, not of the step.
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ def bench_decode_step(repeat: int) -> tuple[list[float], list[float], list[float
             t = time.perf_counter()
             m.step()
             (warm if boundary else plain).append((time.perf_counter() - t) * 1e6)
+        del m, plan                           # before the next batch is built: see above
     return cold, warm, plain
 
 
@@ -88,6 +94,7 @@ def bench_fork_beams(repeat: int) -> list[float]:
         plan = m.step(beams)
         out.append((time.perf_counter() - t) * 1e6)
         assert plan.block_tables.shape == (4, 129)
+        del m, plan
     return out
 
 
