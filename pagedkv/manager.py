@@ -293,7 +293,11 @@ class KVCacheManager:
                 return self._step_few(ids, list(range(len(ids))))
             return self._step(ids, None)
         ids = list(seq_ids)
-        rows = [self._row(s) for s in ids]
+        try:
+            row_of = self._row_of
+            rows = [row_of[s] for s in ids]
+        except (KeyError, TypeError):
+            rows = [self._row(s) for s in ids]          # raises, naming the sequence
         if len(set(rows)) != len(rows):
             raise ConfigError("a sequence appears more than once in one step")
         if len(ids) <= self.small_batch:
@@ -356,9 +360,9 @@ class KVCacheManager:
         if pos:
             self._longest = max(self._longest, max(pos) + 1)
         block_tables = tables.take(rows, axis=0)[:, :width]
-        block_tables.flags.writeable = False
-        return StepPlan(ids, np.array(slots, dtype=np.int32), block_tables,
-                        np.array(seq_lens, dtype=np.int32), copies)
+        block_tables.setflags(write=False)
+        slot_mapping, seq_lens = np.array((slots, seq_lens), dtype=np.int32)
+        return StepPlan(ids, slot_mapping, block_tables, seq_lens, copies)
 
     def _step(self, ids: list, rows) -> StepPlan:
         """The step for ``rows`` (an index array), or for all rows in order when ``rows`` is
@@ -434,7 +438,7 @@ class KVCacheManager:
         slot_mapping *= bs
         slot_mapping += off
         block_tables = self._tables[:n, :width] if dense else self._tables[rows, :width]
-        block_tables.flags.writeable = False
+        block_tables.setflags(write=False)
         return StepPlan(ids, slot_mapping, block_tables, seq_lens, copies)
 
     def fork(self, parent, *children) -> None:
