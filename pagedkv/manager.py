@@ -361,7 +361,8 @@ class KVCacheManager:
             self._longest = max(self._longest, max(pos) + 1)
         block_tables = tables.take(rows, axis=0)[:, :width]
         block_tables.setflags(write=False)
-        slot_mapping, seq_lens = np.array((slots, seq_lens), dtype=np.int32)
+        both = np.array(slots + seq_lens, dtype=np.int32)    # one conversion, two views
+        slot_mapping, seq_lens = both[:len(slots)], both[len(slots):]
         return StepPlan(ids, slot_mapping, block_tables, seq_lens, copies)
 
     def _step(self, ids: list, rows) -> StepPlan:
