@@ -168,7 +168,7 @@ class BlockAllocator:
             self._ref[b] += 1
 
     # ------------------------------------------------------------------ many blocks at once
-    def allocate_array(self, n: int) -> np.ndarray:
+    def allocate_array(self, n: int, _caller: str = "allocate_array") -> np.ndarray:
         """``n`` blocks as an int32 array, all or none: raises :class:`OutOfBlocks` and takes
         nothing if fewer than ``n`` are free. The order is the one ``n`` calls of
         :meth:`allocate` would give."""
@@ -177,10 +177,23 @@ class BlockAllocator:
             raise ConfigError(f"n must be a non-negative integer, got {n!r}")
         free = self._top + len(self._hot)
         if n > free:
-            raise OutOfBlocks(int(n), free, "allocate_n")
+            raise OutOfBlocks(int(n), free, _caller)
         if n == 0:
             return _NO_IDS.copy()
         return self._take(int(n)).astype(np.int32)
+
+    def _take_list(self, n: int) -> list[int]:
+        """``_take`` as a list of Python ints, for a caller about to loop over a few ids."""
+        if self._hot:
+            self._spill()
+        top = self._top - n
+        ids = self._stack[top:top + n]
+        self._ref[ids] = 1
+        self._top = top
+        self._bulk_used += n
+        out = ids.tolist()
+        out.reverse()                                 # the top of the stack comes out first
+        return out
 
     def _take(self, n: int) -> np.ndarray:
         """``allocate_array`` without the checks (``0 < n <= num_free``), as intp ids: NumPy
@@ -196,7 +209,7 @@ class BlockAllocator:
 
     def allocate_n(self, n: int) -> list[int]:
         """:meth:`allocate_array` as a list of Python ints."""
-        return self.allocate_array(n).tolist()
+        return self.allocate_array(n, "allocate_n").tolist()
 
     def free_n(self, blocks) -> None:
         """Drop one owner of each block in ``blocks`` (a block may appear more than once, once
