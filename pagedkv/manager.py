@@ -333,7 +333,7 @@ class KVCacheManager:
         width = max(pos) // bs + 1 if pos else 0
         self._grow_cols(width)
         tables = self._tables
-        new = alloc._take(need).tolist() if need else []
+        new = alloc._take_list(need) if need else []
         j, c = 0, k                            # next fresh block in new, next copy block
         slots, seq_lens, pairs = [], [], []
         for i, r in enumerate(rows):
