@@ -411,7 +411,9 @@ class KVCacheManager:
         # --- from here on nothing can fail
         copies = _NO_COPIES
         if need:
-            new = alloc._take(need)            # the fresh rows' blocks, then the copies'
+            # the fresh rows' blocks, then the copies'; int32 like the table, which makes the
+            # indexed writes below plain copies rather than casts
+            new = alloc._take(need).astype(np.int32)
             if k == n:
                 flat[at] = new
             elif k:
@@ -420,7 +422,7 @@ class KVCacheManager:
                 src = np.array(srcs, dtype=np.int32)
                 alloc._drop_owners(src, unique=False)   # the other owners keep each src
                 flat[at[pick]] = new[k:]
-                copies = np.stack([src, new[k:].astype(np.int32)], axis=1)
+                copies = np.stack([src, new[k:]], axis=1)
         if any_flagged:
             if dense:
                 flagged[:] = False
