@@ -180,10 +180,13 @@ class BlockAllocator:
             raise OutOfBlocks(int(n), free, _caller)
         if n == 0:
             return _NO_IDS.copy()
-        return self._take(int(n)).astype(np.int32)
+        return self._take(int(n))
 
-    def _take_list(self, n: int) -> list[int]:
-        """``_take`` as a list of Python ints, for a caller about to loop over a few ids."""
+    def _pop(self, n: int) -> np.ndarray:
+        """Take the top ``n`` ids off the stack (``0 < n <= num_free``, unchecked) and give each
+        one owner in ``_ref``. Returns them as a view of the stack, bottom first, valid until
+        the next push. The stack holds intp ids because NumPy scatters through intp indices
+        about three times faster than through int32 ones."""
         if self._hot:
             self._spill()
         top = self._top - n
@@ -191,21 +194,18 @@ class BlockAllocator:
         self._ref[ids] = 1
         self._top = top
         self._bulk_used += n
-        out = ids.tolist()
-        out.reverse()                                 # the top of the stack comes out first
-        return out
+        return ids
 
     def _take(self, n: int) -> np.ndarray:
-        """``allocate_array`` without the checks (``0 < n <= num_free``), as intp ids: NumPy
-        scatters through intp indices about three times faster than through int32 ones."""
-        if self._hot:
-            self._spill()
-        top = self._top - n
-        ids = self._stack[top:top + n][::-1].copy()   # the top of the stack comes out first
-        self._top = top
-        self._ref[ids] = 1
-        self._bulk_used += n
-        return ids
+        """``allocate_array`` without the checks: int32 ids (the block tables' type), the top
+        of the stack first."""
+        return self._pop(n)[::-1].astype(np.int32)
+
+    def _take_list(self, n: int) -> list[int]:
+        """``_take`` as a list of Python ints, for a caller about to loop over a few ids."""
+        out = self._pop(n).tolist()
+        out.reverse()
+        return out
 
     def allocate_n(self, n: int) -> list[int]:
         """:meth:`allocate_array` as a list of Python ints."""

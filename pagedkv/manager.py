@@ -413,7 +413,7 @@ class KVCacheManager:
         if need:
             # the fresh rows' blocks, then the copies'; int32 like the table, which makes the
             # indexed writes below plain copies rather than casts
-            new = alloc._take(need).astype(np.int32)
+            new = alloc._take(need)
             if k == n:
                 flat[at] = new
             elif k:
