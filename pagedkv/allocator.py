@@ -38,9 +38,6 @@ from .errors import ConfigError, DoubleFree, InvalidBlock, OutOfBlocks
 
 __all__ = ["BlockAllocator"]
 
-_NO_IDS = np.zeros(0, dtype=np.int32)
-_NO_IDS.flags.writeable = False
-
 
 def _positive_int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -179,7 +176,7 @@ class BlockAllocator:
         if n > free:
             raise OutOfBlocks(int(n), free, _caller)
         if n == 0:
-            return _NO_IDS.copy()
+            return np.zeros(0, dtype=np.int32)
         return self._take(int(n))
 
     def _pop(self, n: int) -> np.ndarray:

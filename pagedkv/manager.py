@@ -41,7 +41,7 @@ __all__ = ["KVCacheManager", "Plan", "StepPlan", "CacheStats"]
 
 _NO_COPIES = np.zeros((0, 2), dtype=np.int32)
 _NO_COPIES.flags.writeable = False
-_NO_BLOCKS = np.zeros(0, dtype=np.intp)
+_NO_BLOCKS = np.zeros(0, dtype=np.int32)   # int32, as _take returns
 
 
 class Plan(NamedTuple):
