@@ -6,7 +6,8 @@ a manager grows, forks and frees sequences and plans the copies and slot mapping
 execute (:mod:`pagedkv.manager`).
 """
 from . import backend
-from .errors import (BackendError, ConfigError, DoubleFree, InvalidBlock, OutOfBlocks,
-                     PagedKVError, SequenceExists, TokenIndexError, UnknownSequence)
+from .errors import (AllocatorClosed, AuditError, BackendError, ConfigError, DoubleFree,
+                     DuplicateSequence, InvalidBlock, OutOfBlocks, PagedKVError, PoolTooLarge,
+                     SequenceExists, TokenIndexError, UnknownSequence)
 
 __version__ = "0.1.0"

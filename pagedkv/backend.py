@@ -13,9 +13,9 @@ import os
 
 import numpy as np
 
-from .errors import BackendError
+from .errors import BackendError, PoolTooLarge
 
-__all__ = ["xp", "name", "reason", "on_gpu", "describe", "to_numpy", "synchronize"]
+__all__ = ["xp", "name", "reason", "on_gpu", "describe", "to_numpy", "synchronize", "claim_bytes"]
 
 
 def _cupy_if_usable():
@@ -82,3 +82,19 @@ def synchronize() -> None:
     """Wait for queued device work (a no-op on NumPy)."""
     if on_gpu:
         xp.cuda.runtime.deviceSynchronize()
+
+
+def claim_bytes(nbytes: int, module=None):
+    """``nbytes`` of memory as a 1-D uint8 array. On a GPU the bytes come from ``cudaMalloc``
+    directly, not CuPy's caching pool, so that dropping the array gives them back to the device."""
+    module = xp if module is None else module      # NumPy or CuPy
+    try:
+        if module is np:
+            return np.empty(nbytes, dtype=np.uint8)
+        mem = module.cuda.Memory(nbytes)
+        return module.ndarray((nbytes,), dtype=module.uint8,
+                              memptr=module.cuda.MemoryPointer(mem, 0))
+    except MemoryError as exc:  # NumPy's and CuPy's out-of-memory errors are MemoryErrors
+        where = "host memory" if module is np else "GPU memory"
+        raise PoolTooLarge(f"cannot claim a pool of {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB) "
+                           f"in {where}: {exc}") from None

@@ -3,6 +3,23 @@
 Running out of blocks (:class:`OutOfBlocks`) is an ordinary outcome that callers test for (or
 avoid with the ``can_*`` predicates); the others mean the caller asked for something impossible.
 An operation that raises has changed nothing.
+
+One rule for the names: the error says what happened, not where.
+
+==========================  ==================================================================
+:class:`ConfigError`        a size, count, shape or dtype that cannot work
+:class:`OutOfBlocks`        too few free blocks for the whole request
+:class:`PoolTooLarge`       the device (or host) could not give the pool's memory
+:class:`AllocatorClosed`    use of an allocator after ``close()``
+:class:`InvalidBlock`       a block id that is not a block of the pool, or not in use
+:class:`DoubleFree`         a block (or range) given back when it was already free
+:class:`UnknownSequence`    a sequence id the manager does not hold
+:class:`SequenceExists`     a new sequence id that is already live
+:class:`DuplicateSequence`  one sequence named twice in one call (a step, a fork)
+:class:`TokenIndexError`    a token position outside a sequence
+:class:`AuditError`         the invariant audit found corrupted state
+:class:`BackendError`       the requested array backend cannot be used
+==========================  ==================================================================
 """
 
 
@@ -15,7 +32,7 @@ class BackendError(PagedKVError):
 
 
 class ConfigError(PagedKVError, ValueError):
-    """A size, shape or dtype that cannot work (zero blocks, a pool smaller than one block...)."""
+    """A size, count, shape or dtype that cannot work (zero blocks, a negative count...)."""
 
 
 class OutOfBlocks(PagedKVError):
@@ -27,12 +44,20 @@ class OutOfBlocks(PagedKVError):
                          f"only {self.free} free")
 
 
+class PoolTooLarge(PagedKVError, MemoryError):
+    """The memory for the pool could not be claimed."""
+
+
+class AllocatorClosed(PagedKVError):
+    """The allocator was closed: its pool has been given back."""
+
+
 class InvalidBlock(PagedKVError, IndexError):
-    """A block id outside the pool, or one that is not in the state the operation needs."""
+    """A block id outside the pool, not an integer, or not in the state the operation needs."""
 
 
 class DoubleFree(InvalidBlock):
-    """A block freed (or released) when it was already free."""
+    """A block freed (or a range given back) when it was already free."""
 
 
 class UnknownSequence(PagedKVError, KeyError):
@@ -43,8 +68,17 @@ class UnknownSequence(PagedKVError, KeyError):
 
 
 class SequenceExists(PagedKVError, ValueError):
-    """A sequence id that is already registered (add, or fork onto an existing id)."""
+    """A new sequence id (add, or a fork's child) that is already live."""
+
+
+class DuplicateSequence(PagedKVError, ValueError):
+    """The same sequence id named twice in one call (a step's batch, a fork's children)."""
 
 
 class TokenIndexError(PagedKVError, IndexError):
     """A token position outside a sequence."""
+
+
+class AuditError(PagedKVError):
+    """An invariant does not hold. Raised by ``audit()`` (never an ``assert``, so that it also
+    works under ``python -O``); the message names the invariant."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .checks import count, is_int, positive_int
 from .errors import ConfigError, TokenIndexError
 
 __all__ = ["PageTable", "slots_of"]
@@ -38,11 +39,9 @@ class PageTable:
     __slots__ = ("block_size", "blocks", "num_tokens")
 
     def __init__(self, block_size: int, blocks=(), num_tokens: int = 0):
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
-                or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
-        self.block_size = int(block_size)
+        self.block_size = positive_int(block_size, "block_size")
         self.blocks: list[int] = [int(b) for b in blocks]
+        num_tokens = count(num_tokens, "num_tokens")
         if not 0 <= num_tokens <= len(self.blocks) * self.block_size:
             raise ConfigError(f"{num_tokens} tokens do not fit in {len(self.blocks)} block(s) "
                               f"of {self.block_size}")
@@ -71,8 +70,7 @@ class PageTable:
 
     def locate(self, token: int) -> tuple[int, int]:
         """(physical block, offset in block) of token position ``token``."""
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) \
-                or not 0 <= token < self.num_tokens:
+        if not is_int(token) or not 0 <= token < self.num_tokens:
             raise TokenIndexError(f"token index {token!r} is outside the sequence "
                                   f"[0, {self.num_tokens})")
         logical, offset = divmod(int(token), self.block_size)
