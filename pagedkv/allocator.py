@@ -84,6 +84,7 @@ class BlockAllocator:
         """Drop one owner of each block in ``blocks``, in order (an id may appear once per
         owner dropped). Every id is checked first: a bad one, or more drops than owners,
         raises and frees nothing."""
+        self._check_open()
         ids = [self._check_id(b) for b in blocks]
         for b, drops in Counter(ids).items():
             if drops > self._refcount[b]:
@@ -95,6 +96,7 @@ class BlockAllocator:
     def share_n(self, blocks, times: int = 1) -> None:
         """Add ``times`` owners to each block in ``blocks`` (a fork shares a whole page table).
         All or nothing: if any block is bad or free, raises and shares none."""
+        self._check_open()
         times = positive_int(times, "times")
         ids = [self._check_id(b) for b in blocks]
         for b in ids:
@@ -145,9 +147,9 @@ class BlockAllocator:
             raise AuditError("refcounts: one per block, each a non-negative integer")
         if any(not is_int(b) or not 0 <= b < n for b in free):
             raise AuditError("the free stack holds an id outside the pool")
-        if len(set(free)) != len(free):
-            raise AuditError("a block is on the free stack twice")
         on_stack = set(free)
+        if len(on_stack) != len(free):
+            raise AuditError("a block is on the free stack twice")
         for b in range(n):
             if (refs[b] == 0) != (b in on_stack):
                 raise AuditError(f"block {b} has {refs[b]} owner(s) but is "
@@ -190,10 +192,9 @@ class BlockAllocator:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc):
         self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.num_free} free"
-        return (f"BlockAllocator({self.num_blocks} blocks x {self.block_bytes} B, {state}, "
-                f"{backend.name})")
+        return f"BlockAllocator({self.num_blocks} blocks x {self.block_bytes} B, {state})"

@@ -1,11 +1,15 @@
 import random
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from pagedkv import backend
 from pagedkv.allocator import BlockAllocator
-from pagedkv.errors import ConfigError, DoubleFree, InvalidBlock, OutOfBlocks, PagedKVError
+from pagedkv.errors import (AllocatorClosed, AuditError, ConfigError, DoubleFree, InvalidBlock,
+                            OutOfBlocks, PagedKVError, PoolTooLarge)
 from pagedkv.kernels.pattern import verify_pattern, write_pattern
 
 from _backends import XP_PARAMS, host, resolve
@@ -24,20 +28,15 @@ def test_pool_is_exactly_blocks_times_block_bytes(xp):
         a.audit()
 
 
-def test_from_pool_bytes_takes_whole_blocks(xp):
-    a = BlockAllocator.from_pool_bytes(1000, 96, xp=xp)
-    assert a.num_blocks == 10 and a.pool.nbytes == 960
-
-
 @pytest.mark.parametrize("args", [(0, 8), (-1, 8), (4, 0), (4, -8), (2.5, 8), (True, 8), (4, "8")])
 def test_bad_sizes(args):
     with pytest.raises(ConfigError):
         BlockAllocator(*args, xp=np)
 
 
-def test_pool_too_small_for_one_block():
-    with pytest.raises(ConfigError, match="cannot hold one block"):
-        BlockAllocator.from_pool_bytes(100, 128, xp=np)
+def test_a_pool_larger_than_memory_is_a_typed_error():
+    with pytest.raises(PoolTooLarge, match=r"cannot claim a pool of 1,125,899,906,842,624 bytes"):
+        BlockAllocator(2**30, 2**20, xp=np)                 # a pebibyte of host memory
 
 
 def test_allocate_and_free_are_lifo():
@@ -175,116 +174,164 @@ def test_close_returns_the_memory(xp):
         a.close()
         free_after, _ = xp.cuda.runtime.memGetInfo()
         assert abs(free_after - free_before) < (2 << 20), (free_before, free_after)
-    for call in (a.allocate, lambda: a.allocate_n(1), lambda: a.block_view(0), a.audit):
-        with pytest.raises(ConfigError, match="closed"):
+    for call in (a.allocate, lambda: a.allocate_n(1), lambda: a.block_view(0), a.audit,
+                 lambda: a.free(0), lambda: a.share_n([0]), lambda: a.free_n([])):
+        with pytest.raises(AllocatorClosed, match="closed"):
             call()
 
 
-def test_randomized_against_a_list_model():
-    """Every call, single and batched, against a model that is one Python list used as the free
-    stack plus a dict of owner counts: the allocator must hand out the same ids in the same
-    order, though it keeps its stack in two parts and its counts in two places."""
-    seed = 20261129
+N_BLOCKS = 40
+BAD_IDS = ([-k for k in range(1, 2 * N_BLOCKS + 1)] + [N_BLOCKS, N_BLOCKS + 1, 10**6, 2.0, 3.5,
+           "3", True, False, None, np.float64(2), np.bool_(True), [1]])
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_every_bad_id_is_refused_and_changes_nothing(bad):
+    """With 4 blocks allocated, -5 once freed block 3 and was later handed out as a block id
+    (a guard array covered only -1 .. -n); no bad id may reach the state."""
+    a = BlockAllocator(N_BLOCKS, 8, xp=np)
+    held = a.allocate_n(4)
+    a.share(held[0])
+    before = (a.free_blocks(), a.refcounts().tolist())
+    for call in (lambda: a.free(bad), lambda: a.share(bad), lambda: a.free_n([held[1], bad]),
+                 lambda: a.share_n([held[2], bad]), lambda: a.free_n([bad])):
+        with pytest.raises(InvalidBlock):
+            call()
+        assert (a.free_blocks(), a.refcounts().tolist()) == before
+    a.audit()
+    assert [a.allocate() for _ in range(N_BLOCKS - 4)] == list(range(4, N_BLOCKS))
+
+
+def test_numpy_integers_of_every_width_are_ids():
+    a = BlockAllocator(8, 8, xp=np)
+    for kind in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.uint64):
+        b = a.allocate()
+        a.share(kind(b))
+        a.free_n([kind(b)])
+        a.free(kind(b))
+    assert a.num_free == 8 and all(type(x) is int for x in a.free_blocks())
+    a.audit()
+
+
+def test_randomized_against_a_model():
+    """Random single and batched calls, each checked against a model that knows only owner
+    counts and the stack rule (the next block out is the last one put back), with the audit
+    after every call. Failing calls must change nothing."""
+    seed = 20261130
     print(f"seed={seed}")
     rng = random.Random(seed)
-    nb = 40
-    class SmallRefill(BlockAllocator):
-        REFILL = 5                             # small, so refills happen often
-    a = SmallRefill(nb, 8, xp=np)
+    nb = 24
+    a = BlockAllocator(nb, 8, xp=np)
     stack = list(range(nb - 1, -1, -1))        # the model's free stack, top last
     owners: dict[int, int] = {}                # block -> owners; absent = free
-    seen = {"refill": 0, "batch_free": 0, "released_by_batch": 0, "dup_free_n": 0}
+    seen = dict.fromkeys(["allocate", "allocate_n", "share", "share_n", "free", "free_n",
+                          "out_of_blocks", "double_free", "invalid"], 0)
 
-    def drop(blocks):                          # the model's free_n
+    def drop(blocks):
         for b in blocks:
             owners[b] -= 1
             if not owners[b]:
                 del owners[b]
                 stack.append(b)
 
-    for _ in range(30_000):
-        op = rng.random()
-        if op < 0.25:
+    def refused(error, call):
+        state = (a.free_blocks(), a.refcounts().tolist())
+        with pytest.raises(error):
+            call()
+        assert (a.free_blocks(), a.refcounts().tolist()) == state
+
+    for _ in range(6000):
+        op, live = rng.random(), sorted(owners)
+        if op < 0.2:
             if stack:
-                if not a._hot:
-                    seen["refill"] += 1
                 b = a.allocate()
                 assert b == stack.pop()
                 owners[b] = 1
+                seen["allocate"] += 1
             else:
-                with pytest.raises(OutOfBlocks):
-                    a.allocate()
-        elif op < 0.37:
+                refused(OutOfBlocks, a.allocate)
+                seen["out_of_blocks"] += 1
+        elif op < 0.35:
             n = rng.randrange(0, 7)
-            as_array = rng.random() < 0.5
             if n <= len(stack):
-                got = a.allocate_array(n) if as_array else a.allocate_n(n)
-                if as_array:
-                    assert got.dtype == np.int32
-                    got = got.tolist()
-                want = [stack.pop() for _ in range(n)]
-                assert got == want
-                owners.update(dict.fromkeys(want, 1))
+                got = a.allocate_n(n)
+                assert got == [stack.pop() for _ in range(n)]
+                owners.update(dict.fromkeys(got, 1))
+                seen["allocate_n"] += 1
             else:
-                with pytest.raises(OutOfBlocks):
-                    a.allocate_n(n)
-        elif op < 0.45 and owners:
-            b = rng.choice(sorted(owners))
-            a.share(b)
-            owners[b] += 1
-        elif op < 0.52 and owners:
-            blocks = rng.sample(sorted(owners), k=min(len(owners), rng.randrange(1, 4)))
+                refused(OutOfBlocks, lambda: a.allocate_n(n))
+                seen["out_of_blocks"] += 1
+        elif op < 0.45 and live:
+            blocks = rng.sample(live, k=min(len(live), rng.randrange(1, 4)))
             times = rng.randrange(1, 3)
-            a.share_n(np.array(blocks) if rng.random() < 0.5 else blocks, times=times)
+            if len(blocks) == 1 and times == 1:
+                a.share(blocks[0])
+                seen["share"] += 1
+            else:
+                a.share_n(blocks, times=times)
+                seen["share_n"] += 1
             for b in blocks:
                 owners[b] += times
-        elif op < 0.80 and owners:
-            b = rng.choice(sorted(owners))
-            a.free(b if rng.random() < 0.9 else np.int64(b))
+        elif op < 0.7 and live:
+            b = rng.choice(live)
+            a.free(b)
             drop([b])
-        elif op < 0.92 and owners:
-            pool = sorted(owners)
-            blocks = rng.sample(pool, k=min(len(pool), rng.randrange(1, 5)))
+            seen["free"] += 1
+        elif op < 0.88 and live:
+            blocks = rng.sample(live, k=min(len(live), rng.randrange(1, 5)))
             if rng.random() < 0.3:             # name a block twice: legal if it has 2 owners
                 blocks.append(blocks[0])
             if all(blocks.count(b) <= owners[b] for b in blocks):
-                before = len(stack)
-                a.free_n(np.array(blocks) if rng.random() < 0.5 else blocks)
+                a.free_n(blocks)
                 drop(blocks)
-                seen["batch_free"] += 1
-                seen["released_by_batch"] += len(stack) - before
-                seen["dup_free_n"] += len(set(blocks)) < len(blocks)
+                seen["free_n"] += 1
             else:
-                snapshot = (a.free_blocks(), a.refcounts().tolist())
-                with pytest.raises(DoubleFree):
-                    a.free_n(blocks)
-                assert (a.free_blocks(), a.refcounts().tolist()) == snapshot
+                refused(DoubleFree, lambda: a.free_n(blocks))
+                seen["double_free"] += 1
         else:
-            b = rng.randrange(nb)
-            if b not in owners:
-                with pytest.raises(DoubleFree):
-                    a.free(b)
-                with pytest.raises(InvalidBlock):
-                    a.share_n([b])
+            b = rng.randrange(-nb, 2 * nb)
+            if not 0 <= b < nb:
+                refused(InvalidBlock, lambda: a.free(b))
+                seen["invalid"] += 1
+            elif b not in owners:
+                refused(DoubleFree, lambda: a.free(b))
+                refused(InvalidBlock, lambda: a.share_n([b]))
+                seen["double_free"] += 1
         assert a.free_blocks() == stack
         assert a.num_used == len(owners) and a.num_free == len(stack)
-        counts = a.refcounts()
-        assert all(counts[b] == owners.get(b, 0) for b in range(nb))
+        assert a.refcounts().tolist() == [owners.get(b, 0) for b in range(nb)]
         a.audit()
     print(seen)
-    assert min(seen.values()) > 50             # every path was exercised, many times
+    assert min(seen.values()) > 50             # every path ran, many times
 
 
-@pytest.mark.parametrize("bad", [-1, -41, 40, 10**6, 2.0, "3", True, None])
-def test_free_rejects_bad_ids_without_changing_anything(bad):
-    a = BlockAllocator(40, 8, xp=np)
-    held = [a.allocate() for _ in range(3)] + a.allocate_n(3)
-    before = (a.free_blocks(), a.refcounts().tolist())
-    with pytest.raises(InvalidBlock):
-        a.free(bad)
-    with pytest.raises(InvalidBlock):
-        a.free_n([held[0], bad])
-    with pytest.raises(InvalidBlock):
-        a.share_n([held[-1], bad])
-    assert (a.free_blocks(), a.refcounts().tolist()) == before
+CORRUPTIONS = {
+    "a block is on the free stack twice": lambda a: a._free.append(a._free[-1]),
+    "has 0 owner(s) but is not on the free stack": lambda a: a._free.pop(),
+    "has 1 owner(s) but is on the free stack": lambda a: a._refcount.__setitem__(a._free[0], 1),
+    "an id outside the pool": lambda a: a._free.append(-5),
+    "non-negative integer": lambda a: a._refcount.__setitem__(0, -1),
+}
+
+
+@pytest.mark.parametrize("message", CORRUPTIONS)
+def test_audit_names_the_broken_invariant(message):
+    a = BlockAllocator(6, 8, xp=np)
+    a.allocate_n(2)
     a.audit()
+    CORRUPTIONS[message](a)
+    with pytest.raises(AuditError, match=re.escape(message)):
+        a.audit()
+
+
+def test_audit_works_under_python_O():
+    """audit() raises AuditError, not assert: under python -O it must still catch corruption."""
+    code = ("import numpy as np\n"
+            "from pagedkv.allocator import BlockAllocator\n"
+            "from pagedkv.errors import AuditError\n"
+            "assert False, 'asserts are on'\n"
+            "a = BlockAllocator(4, 8, xp=np); a.allocate(); a._free.append(0)\n"
+            "try:\n    a.audit()\nexcept AuditError as e:\n    print('caught:', e)\n")
+    run = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "caught: block 0 has 1 owner(s) but is on the free stack" in run.stdout
