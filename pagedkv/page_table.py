@@ -9,8 +9,12 @@ A token's *slot* is its index among all token positions of the pool::
 
     slot = physical_block * block_size + offset
 
-which is what a kernel that writes K/V needs, and its *address* is
-``pool_base + physical_block * block_bytes + offset * token_bytes``.
+which is what a kernel that writes K/V needs. One layer's cache is laid out
+``[num_blocks, 2, block_size, kv_heads, head_dim]``: in each block the ``block_size`` key rows
+come first, then the ``block_size`` value rows, a row being one token's keys (or values) for
+every head. So token ``t``'s key row starts at byte
+``pool_base + (2 * physical_block * block_size + offset) * row_bytes``, and its value row
+``block_size * row_bytes`` later (:meth:`PageTable.kv_addresses`).
 """
 from __future__ import annotations
 
@@ -85,10 +89,13 @@ class PageTable:
         return slots_of(np.asarray(self.blocks, dtype=np.int64), np.arange(self.num_tokens),
                         self.block_size)
 
-    def token_address(self, token: int, pool_base: int, token_bytes: int) -> int:
-        """Address of token ``token``'s bytes in a pool starting at ``pool_base``."""
+    def kv_addresses(self, token: int, pool_base: int, row_bytes: int) -> tuple[int, int]:
+        """Addresses of token ``token``'s key row and value row in one layer's cache, laid out
+        ``[num_blocks, 2, block_size, kv_heads, head_dim]`` from ``pool_base``, where a row (one
+        token's keys, or values, for every head) is ``row_bytes`` long."""
         block, offset = self.locate(token)
-        return pool_base + (block * self.block_size + offset) * int(token_bytes)
+        key = pool_base + (2 * block * self.block_size + offset) * int(row_bytes)
+        return key, key + self.block_size * int(row_bytes)
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -12,7 +12,9 @@ def test_scattered_mapping():
     assert pt.locate(5) == (2, 1)
     assert pt.locate(9) == (9, 1)
     assert pt.slot(5) == 2 * 4 + 1
-    assert pt.token_address(5, pool_base=1000, token_bytes=16) == 1000 + (2 * 4 + 1) * 16
+    # token 5: logical block 1 (physical 2), offset 1; blocks of 4 K rows then 4 V rows of 16 B
+    assert pt.kv_addresses(5, pool_base=1000, row_bytes=16) == (1000 + (2 * 2 * 4 + 1) * 16,
+                                                                1000 + (2 * 2 * 4 + 5) * 16)
     assert pt.slots().tolist() == [pt.slot(t) for t in range(10)]
     assert pt.slots().dtype == np.int32
 
