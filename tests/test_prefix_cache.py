@@ -1,0 +1,211 @@
+"""Prefix caching: hits, eviction, and the cases other engines got wrong.
+
+Every test executes the manager's plans on an integer "pool" (one value per slot) whose value at
+position t of a sequence is a function of the sequence's first t + 1 tokens, as a real K/V would
+be. Reading a sequence back through its page table must give exactly the values of its own
+tokens: a wrong hit (a block computed after another prefix) reads back wrong.
+"""
+import numpy as np
+import pytest
+
+import pagedkv.prefix_cache as prefix_cache
+from pagedkv.allocator import BlockAllocator
+from pagedkv.errors import AuditError, ConfigError, OutOfBlocks
+from pagedkv.prefix_cache import PrefixCachingManager
+
+
+def kv_value(tokens, t) -> int:
+    """What position t's K/V holds: it depends on every token up to and including t."""
+    return hash(tuple(tokens[:t + 1])) & 0x7FFFFFFFFFFF
+
+
+class Engine:
+    """The manager plus a pool of values, executing every plan as a model would."""
+
+    def __init__(self, num_blocks=32, block_size=4):
+        self.bs = block_size
+        self.m = PrefixCachingManager(BlockAllocator(num_blocks, block_size * 8, xp=np),
+                                      block_size)
+        self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
+
+    def add(self, seq, tokens):
+        plan = self.m.add(seq, tokens)
+        assert len(plan.slots) == len(tokens) - plan.cached_tokens >= 1
+        for i, slot in enumerate(plan.slots.tolist()):
+            self.pool[slot] = kv_value(tokens, plan.cached_tokens + i)
+        self.check(seq)
+        return plan
+
+    def step(self, seqs, tokens):
+        plan = self.m.step(seqs, tokens)
+        for src, dst in plan.copies.tolist():
+            bs = self.bs
+            self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
+        for seq, slot in zip(seqs, plan.slot_mapping.tolist()):
+            toks = self.m.tokens(seq)
+            self.pool[slot] = kv_value(toks, len(toks) - 1)
+        for seq in seqs:
+            self.check(seq)
+        return plan
+
+    def decode(self, seq, tokens):
+        for t in tokens:
+            self.step([seq], [t])
+
+    def check(self, seq):
+        toks = self.m.tokens(seq)
+        got = self.pool[self.m.slots(seq)].tolist()
+        assert got == [kv_value(toks, t) for t in range(len(toks))], f"{seq} reads wrong K/V"
+        self.m.audit()
+
+
+def test_a_shared_prefix_is_found_again():
+    e = Engine()
+    prompt = list(range(10))
+    e.add("a", prompt)                                # blocks 0, 1 full; 2 holds 2 tokens
+    e.m.free("a")
+    assert e.m.cache.num_free == 32 and e.m.allocator.num_used == 0
+    plan = e.add("b", prompt[:8] + [99, 98, 97])
+    assert plan.cached_tokens == 8 and e.m.block_table("b")[:2].tolist() == [0, 1]
+    assert e.m.cache.hits == 2
+    plan = e.add("c", prompt[:5] + [7])               # only the first block matches
+    assert plan.cached_tokens == 4 and e.m.allocator.refcount(0) == 2
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    """A prompt that is a whole number of blocks, all cached, must still compute at least its
+    last token: the model needs its logits to produce the first output token."""
+    e = Engine()
+    prompt = list(range(8))
+    e.add("a", prompt)
+    e.m.free("a")
+    plan = e.add("b", prompt)
+    assert plan.cached_tokens == 4 and len(plan.slots) == 4
+    e.add("c", prompt)                                 # with "b" still running: the same
+    assert e.m.page_table("c").blocks[0] == e.m.page_table("b").blocks[0]
+
+
+def test_same_prefix_admitted_together_leaves_one_entry_per_hash():
+    """Two requests with the same new prompt admitted back to back (one step): the second hits
+    the first's blocks. When both decode the same tokens, they fill equal blocks: the index
+    keeps the first and the duplicate is never cached, so after both leave and every block is
+    reused, no hash resolves to a block that holds something else."""
+    e = Engine(num_blocks=10)
+    prompt = [5, 6, 7, 8, 9, 10]
+    e.add("a", prompt)
+    plan = e.add("b", prompt)
+    assert plan.cached_tokens == 4
+    e.step(["a", "b"], [11, 11])
+    e.step(["a", "b"], [12, 12])                       # both fill block 1 with equal tokens
+    a_block, b_block = e.m.block_table("a")[1], e.m.block_table("b")[1]
+    assert a_block != b_block
+    assert e.m.cache.lookup(e.m._hashes["a"][1], (9, 10, 11, 12), e.m.cache.serial(
+        e.m._hashes["a"][0]))[0] == a_block
+    e.m.free("a")
+    e.m.free("b")
+    assert e.m.cache.is_idle(a_block) and not e.m.cache.is_idle(b_block)
+    e.add("x", list(range(100, 140)))                  # another prompt takes every block
+    assert e.m.cache.evictions == 2
+    e.m.free("x")
+    plan = e.add("c", prompt + [11, 12, 13])
+    assert plan.cached_tokens == 0                     # evicted, so no stale hit
+
+
+def test_a_reused_block_no_longer_answers_to_its_old_hash():
+    e = Engine(num_blocks=6)
+    e.add("a", list(range(12)))                        # 3 full blocks, cached
+    e.m.free("a")
+    e.add("b", list(range(50, 73)))                    # needs all 6 blocks: evicts a's three
+    assert e.m.cache.evictions == 3
+    e.m.free("b")
+    plan = e.add("c", list(range(12)) + [1])
+    assert plan.cached_tokens == 0
+
+
+def test_a_preempted_sequence_returns_to_its_own_blocks():
+    """Recompute preemption frees a sequence and admits it again later with its prompt and
+    the tokens it had generated: the full blocks it had computed are hits."""
+    e = Engine()
+    e.add("a", [1, 2, 3, 4, 5])
+    e.decode("a", [6, 7, 8, 9, 10, 11, 12])            # 12 tokens, 3 full blocks
+    blocks, tokens = e.m.block_table("a").tolist(), e.m.tokens("a")
+    e.m.free("a")                                      # preempted
+    plan = e.add("a", tokens)                          # back: all but the last block hit
+    assert plan.cached_tokens == 8
+    assert e.m.block_table("a")[:2].tolist() == blocks[:2]
+    e.decode("a", [13, 14])
+
+
+def test_a_hash_collision_is_refused_by_the_token_check(monkeypatch):
+    """With a hash that says every block is the same, nothing but the exact check stands
+    between a request and another's K/V."""
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent, tokens: 42)
+    e = Engine()
+    e.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    e.add("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])            # block 1's tokens equal, block 0's not
+    assert e.m.page_table("b").blocks[1] != e.m.page_table("a").blocks[1]
+    e.m.free("a")
+    plan = e.add("c", [9, 9, 9, 9, 5, 6, 7, 8, 1])     # the one cached entry is a's block 0
+    assert plan.cached_tokens == 0
+
+
+def test_least_recently_used_idle_block_is_evicted_first():
+    e = Engine(num_blocks=4)
+    e.add("a", [1, 2, 3, 4, 0])
+    e.add("b", [5, 6, 7, 8, 0])
+    e.m.free("b")                                      # b's block 2 idle first, then a's 0
+    e.m.free("a")
+    e.add("c", [9, 9])                                 # free stack: blocks 1, 3 (partial)
+    e.add("d", [8, 8, 8, 8, 8])                        # needs 2: stack's last, then evicts
+    assert e.m.cache.evictions == 1
+    e.m.free("c")
+    assert e.add("e", [1, 2, 3, 4, 0]).cached_tokens == 4      # a's block survived
+    assert e.m.cache.evictions == 1
+
+
+def test_admission_that_does_not_fit_changes_nothing():
+    e = Engine(num_blocks=4)
+    e.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    e.m.free("a")
+    state = (e.m.cache.num_free, e.m.allocator.refcounts().tolist(), e.m.cache.hits)
+    with pytest.raises(OutOfBlocks):
+        e.m.add("b", [1, 2, 3, 4, 5, 6, 7, 8] + list(range(20, 30)))
+    assert (e.m.cache.num_free, e.m.allocator.refcounts().tolist(), e.m.cache.hits) == state
+    assert "b" not in e.m
+    e.m.audit()
+
+
+def test_forks_share_and_cache_their_blocks():
+    e = Engine()
+    e.add("p", [1, 2, 3, 4, 5, 6])
+    e.m.fork("p", "q")
+    e.step(["p", "q"], [7, 70])                        # q copies the shared partial block
+    e.step(["p", "q"], [8, 80])                        # both blocks full now, both cached
+    assert e.m.tokens("q") == [1, 2, 3, 4, 5, 6, 70, 80]
+    e.m.free("p")
+    e.m.free("q")
+    assert e.add("r", [1, 2, 3, 4, 5, 6, 70, 80, 1]).cached_tokens == 8
+
+
+def test_bad_tokens_and_counts():
+    e = Engine()
+    for bad in ([1, -2], [1.5], [None], ["a"]):
+        with pytest.raises(ConfigError, match="token ids"):
+            e.m.add("a", bad)
+    assert "a" not in e.m
+    e.add("a", [1, 2])
+    with pytest.raises(ConfigError, match="got 2 token.s. for 1 sequence"):
+        e.m.step(["a"], [1, 2])
+    with pytest.raises(ConfigError, match="at least one token"):
+        e.m.append("a", [])
+    e.m.audit()
+
+
+def test_audit_catches_a_wrong_cache_entry():
+    e = Engine()
+    e.add("a", [1, 2, 3, 4, 5])
+    block = e.m.block_table("a")[0]
+    entry = e.m.cache._entry[block]
+    e.m.cache._entry[block] = entry._replace(tokens=(1, 2, 3, 5))
+    with pytest.raises(AuditError, match="cached for other tokens"):
+        e.m.audit()
