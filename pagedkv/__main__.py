@@ -1,11 +1,12 @@
 """python -m pagedkv: serve a workload from a paged pool and print its dashboard.
 
-Every token's keys and values are written into the pool and read back through the page tables
-before a request leaves; the manager's invariant audit runs as it goes. With --scale N, the same
-bookkeeping then serves N chat-like completions without writing K/V, and the time is printed.
+Every token's keys and values are written into the pool and read back through the page
+tables before a request leaves; the manager's invariant audit runs as it goes. With
+--scale N, the same bookkeeping then serves N chat-like completions without writing K/V,
+and the time is printed.
 
-Bad input is reported in one line on stderr, with exit status 2; a run that finds a corrupted
-token exits with status 1.
+Bad input is reported in one line on stderr, with exit status 2; a run that finds a
+corrupted token exits with status 1.
 """
 from __future__ import annotations
 

@@ -1,17 +1,17 @@
 """Measuring the serving loop from outside: observers and what they record.
 
-* :class:`Recorder` fills a :class:`Run`: counts (admissions, preemptions, tokens) and, after
-  every decode step, where the pool's memory is, in five categories;
-* :class:`ManagerProbe` watches a paged run's manager: its invariant audit every k steps, and its
-  own statistics (``stats()``) checked against the simulation's counts.
+* :class:`Recorder` fills a :class:`Run`: counts (admissions, preemptions, tokens) and,
+  after every decode step, where the pool's memory is, in five categories;
+* :class:`ManagerProbe` watches a paged run's manager: its invariant audit every k
+  steps, and its own statistics (``stats()``) checked against the simulation's counts.
 
 Memory categories, in token slots, per step (they add up to the pool):
 
 * ``tokens``: K/V of the tokens so far;
 * ``reserved``: held for tokens the request will still generate;
 * ``internal``: held but never to be used (past the request's final length);
-* ``external``: free, but the request at the head of the queue was refused although the free
-  slots add up to enough (they lie in holes too small);
+* ``external``: free, but the request at the head of the queue was refused although the
+  free slots add up to enough (they lie in holes too small);
 * ``free``: the rest.
 """
 from __future__ import annotations
@@ -29,14 +29,15 @@ __all__ = ["Observer", "Run", "Recorder", "ManagerProbe", "Observers", "SERIES"]
 
 #: The per-step series a :class:`Recorder` keeps (one int64 each per decode step).
 SERIES = ("step", "running", "tokens", "reserved", "internal", "external", "free", "held",
-          "waiting")
+          "waiting", "finished")
 
 
 class Observer:
-    """Told what the serving loop does, at four points; each method does nothing unless
-    overridden. ``batch`` is the :class:`~pagedkv.sim.serving.Batch` of running requests,
-    ``queue`` the :class:`~pagedkv.sim.serving.Queue`, ``refused`` the (request, tokens) at the
-    head of the queue that admission refused this step, or None."""
+    """Told what the serving loop does, at four points; each method does nothing
+    unless overridden. ``batch`` is the :class:`~pagedkv.sim.serving.Batch` of
+    running requests, ``queue`` the :class:`~pagedkv.sim.serving.Queue`, ``refused``
+    the (request, tokens) at the head of the queue that admission refused this step,
+    or None."""
 
     def admitted(self, step, req, length): ...
     def preempted(self, step, rid, length): ...
@@ -47,9 +48,10 @@ class Observer:
 
 @dataclass
 class Run:
-    """What one :func:`~pagedkv.sim.serving.serve` run measured. ``series`` holds the per-step
-    arrays of :data:`SERIES`, in token slots, sampled after every decode step (before finished
-    requests leave)."""
+    """What one :func:`~pagedkv.sim.serving.serve` run measured. ``series`` holds the
+    per-step arrays of :data:`SERIES`, sampled after every decode step (before
+    finished requests leave): memory in token slots, requests running and waiting,
+    and requests finished by that step."""
     policy: str
     workload: str
     seed: int
@@ -73,8 +75,9 @@ class Run:
     stats_at_peak: dict | None = None
 
     def mean_share(self, key: str, busy: bool = True) -> float:
-        """Time-averaged share of the pool in category ``key``. With ``busy``, only over the
-        steps when a request was waiting: while nobody waits, free memory wastes nothing."""
+        """Time-averaged share of the pool in category ``key``. With ``busy``, only
+        over the steps when a request was waiting: while nobody waits, free memory
+        wastes nothing."""
         x = self.series[key]
         if busy:
             x = x[self.series["waiting"] > 0]
@@ -91,12 +94,12 @@ class Run:
 
     @property
     def peak_used(self) -> int:
-        """Most token slots held at once (blocks in use x block size, or reserved ranges)."""
+        """Most token slots held at once (blocks in use x block size, or ranges)."""
         return int(self.series["held"].max())
 
     @property
     def tokens_computed(self) -> int:
-        """Every token the server computed: prefills (recomputations included) and decodes."""
+        """Every token computed: prefills (recomputations included) and decodes."""
         return self.prefill_tokens + self.tokens_generated
 
 
@@ -128,7 +131,7 @@ class Observers(Observer):
 
 
 class Recorder(Observer):
-    """Counts what happens and records the memory categories after every step into ``run``."""
+    """Counts what happens, and records the memory categories after every step."""
 
     def __init__(self, workload, policy, max_seqs: int):
         self.policy = policy
@@ -152,10 +155,12 @@ class Recorder(Observer):
         p = self.policy
         held = p.held(batch.ids, batch.lens)
         will_use = np.minimum(held, batch.finals)
-        tokens, held_sum, used_sum = int(batch.lens.sum()), int(held.sum()), int(will_use.sum())
+        tokens, held_sum = int(batch.lens.sum()), int(held.sum())
+        used_sum = int(will_use.sum())
         external = p.free_slots() if refused is not None and p.fragmented(*refused) else 0
+        done = self.run.completions + int((batch.lens >= batch.finals).sum())
         row = (step, len(batch), tokens, used_sum - tokens, held_sum - used_sum, external,
-               p.pool_slots - held_sum - external, held_sum, len(queue.waiting))
+               p.pool_slots - held_sum - external, held_sum, len(queue.waiting), done)
         for key, value in zip(SERIES, row):
             self.columns[key].append(value)
         self.run.tokens_generated += len(batch)
@@ -171,14 +176,16 @@ class Recorder(Observer):
 
 
 class ManagerProbe(Observer):
-    """Watches a paged run's manager: ``audit()`` every ``audit_every`` steps and at the end;
-    ``stats()`` every ``stats_every`` steps and at every new peak of blocks in use (each call
-    costs time proportional to the pool), its counts of used blocks and stored tokens checked
-    against the simulation's own. At the end it adds to the run ``stats_at_peak`` and the series
-    ``stats_step``, ``internal_fragmentation`` and ``external_fragmentation``."""
+    """Watches a paged run's manager: ``audit()`` every ``audit_every`` steps and at
+    the end; ``stats()`` every ``stats_every`` steps and at every new peak of blocks
+    in use (each call costs time proportional to the pool), its counts of used blocks
+    and stored tokens checked against the simulation's own. At the end it adds to the
+    run ``stats_at_peak`` and the series ``stats_step``, ``internal_fragmentation``
+    and ``external_fragmentation``."""
 
     def __init__(self, manager, *, audit_every: int = 0, stats_every: int = 0):
-        self.manager, self.audit_every, self.stats_every = manager, audit_every, stats_every
+        self.manager = manager
+        self.audit_every, self.stats_every = audit_every, stats_every
         self.samples, self.peak, self.at_peak = [], -1, None
 
     def stepped(self, step, batch, queue, refused):
@@ -193,8 +200,8 @@ class ManagerProbe(Observer):
         s = self.manager.stats()
         if s.used_blocks * bs != held or s.stored_tokens != int(batch.lens.sum()):
             raise AuditError(f"step {step}: the manager holds {s.used_blocks} blocks and "
-                             f"{s.stored_tokens} tokens; the simulation counts {held // bs} "
-                             f"and {int(batch.lens.sum())}")
+                             f"{s.stored_tokens} tokens; the simulation counts "
+                             f"{held // bs} and {int(batch.lens.sum())}")
         self.samples.append((step, s.internal_fragmentation, s.external_fragmentation))
         if held > self.peak:
             self.peak, self.at_peak = held, s.as_dict()
@@ -202,8 +209,8 @@ class ManagerProbe(Observer):
     def finished(self, run):
         self.manager.audit()
         if self.manager.allocator.num_used:
-            raise AuditError(f"{self.manager.allocator.num_used} blocks still in use after "
-                             f"every request finished")
+            raise AuditError(f"{self.manager.allocator.num_used} blocks still in use "
+                             f"after every request finished")
         run.stats_at_peak = self.at_peak
         a = np.array(self.samples, dtype=np.float64).reshape(-1, 3)
         run.series.update(stats_step=a[:, 0].astype(np.int64),

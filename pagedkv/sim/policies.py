@@ -1,14 +1,14 @@
 """Memory policies: how a server places the K/V of the requests it runs.
 
-One interface, :class:`Policy`, is all that :func:`~pagedkv.sim.serving.serve` knows. Two kinds
-implement it:
+One interface, :class:`Policy`, is all that :func:`~pagedkv.sim.serving.serve` knows.
+Two kinds implement it:
 
-* :class:`PagedPolicy` — paging: blocks of ``block_size`` tokens, taken one at a time as a
-  sequence grows, from a real :class:`~pagedkv.manager.KVCacheManager` (with the K/V bytes
-  written when asked);
-* :class:`ReservationPolicy` — the schemes before paging: at admission a request gets one
-  contiguous range of the pool, placed by :class:`~pagedkv.contiguous.FirstFit` and sized by the
-  maximum length, a power of two, or exactly.
+* :class:`PagedPolicy` — paging: blocks of ``block_size`` tokens, taken one at a time as
+  a sequence grows, from a real :class:`~pagedkv.manager.KVCacheManager` (with the K/V
+  bytes written when asked);
+* :class:`ReservationPolicy` — the schemes before paging: at admission a request gets
+  one contiguous range of the pool, placed by :class:`~pagedkv.contiguous.FirstFit` and
+  sized by the maximum length, a power of two, or exactly.
 
 Sizes are in token slots: one slot holds one token's K and V.
 """
@@ -29,15 +29,16 @@ __all__ = ["Policy", "PagedPolicy", "ReservationPolicy", "make_policy", "POLICY_
 class Policy:
     """What the serving loop asks of a memory policy.
 
-    * ``admit(req, length)`` places a request that starts with ``length`` tokens (its prompt,
-      or everything it had when it was preempted); False if it does not fit now.
-    * ``step(ids)`` gives every running sequence one more token, all or nothing; False if the
-      memory ran out (then the loop preempts a sequence and tries again).
+    * ``admit(req, length)`` places a request that starts with ``length`` tokens (its
+      prompt, or all it had when it was preempted); False if it does not fit now.
+    * ``step(ids)`` gives every running request one more token, all or nothing; False if
+      the memory ran out (then the loop preempts a request and tries again).
     * ``release(rid)`` gives a finished or preempted request's memory back.
 
-    and, to measure: ``free_slots()``, ``held(ids, lens)`` (slots each running request holds) and
-    ``fragmented(req, length)`` (the request was refused although the free slots add up to
-    enough). ``check(workload)`` refuses, before serving, a request that could never fit.
+    To measure: ``free_slots()``, ``held(ids, lens)`` (the slots each running request
+    holds) and ``fragmented(req, length)`` (a refused request would fit in the free
+    slots if they were one run). ``check(workload)`` refuses, before serving, a request
+    that could never fit.
     """
 
     name = "policy"
@@ -68,23 +69,24 @@ class Policy:
         return False
 
     def data_counts(self) -> tuple[int, int, int]:
-        """(tokens written, tokens read back and checked, of those corrupted): zeros for a
-        policy that keeps no K/V data."""
+        """(tokens written, tokens read back and checked, of those corrupted): zeros
+        for a policy that keeps no K/V data."""
         return 0, 0, 0
 
 
 class PagedPolicy(Policy):
-    """Paging: blocks of ``block_size`` tokens taken one at a time as sequences grow.
+    """Paging: blocks of ``block_size`` tokens taken one at a time as requests grow.
 
-    A request is admitted when its tokens so far plus the next one fit in free blocks and leave
-    ``watermark`` (a share of the pool's blocks) free for the running sequences to grow into:
-    1 %, as vLLM's V0 block manager does. A step that finds too few free blocks is refused and
-    the loop preempts. ``write=True`` writes every token's K/V and checks it on release.
+    A request is admitted when its tokens so far plus the next one fit in free blocks
+    and leave ``watermark`` (a share of the pool's blocks) free for the running requests
+    to grow into: 1 %, as vLLM's V0 block manager does. A step that finds too few free
+    blocks is refused, and the loop preempts. ``write=True`` writes every token's K/V
+    and checks it on release.
     """
 
     def __init__(self, pool_bytes: int, block_size: int, *, spec: KVSpec = SIM_SPEC,
-                 write: bool = False, watermark: float = 0.01, bookkeeping: str = "teaching",
-                 max_seqs: int = 256, max_len: int = 2048):
+                 write: bool = False, watermark: float = 0.01,
+                 bookkeeping: str = "teaching", max_seqs: int = 256, max_len: int = 2048):
         if isinstance(watermark, bool) or not 0 <= watermark < 1:
             raise ConfigError(f"watermark must be a share of the pool in [0, 1), "
                               f"got {watermark!r}")
@@ -99,16 +101,15 @@ class PagedPolicy(Policy):
         self.watermark_blocks = int(watermark * num_blocks)
 
     def check(self, workload) -> None:
-        bs, wm = self.block_size, self.watermark_blocks
-        limit = (self.manager.allocator.num_blocks - wm) * bs
+        blocks, wm = self.manager.allocator.num_blocks, self.watermark_blocks
+        limit = (blocks - wm) * self.block_size
         for r in workload.requests:
             if r.total > limit:
                 raise ConfigError(
-                    f"request {r.rid} grows to {r.total} tokens, but this pool holds at most "
-                    f"{limit} tokens for one request: "
-                    f"{self.manager.allocator.num_blocks} blocks of {bs} tokens "
-                    f"(pool bytes // block bytes), {wm} of them kept free by the "
-                    f"{self.watermark:.0%} watermark")
+                    f"request {r.rid} grows to {r.total} tokens, but this pool holds at "
+                    f"most {limit} tokens for one request: {blocks} blocks of "
+                    f"{self.block_size} tokens (pool bytes // block bytes), {wm} of them "
+                    f"kept free by the {self.watermark:.0%} watermark")
 
     def admit(self, req: Request, length: int) -> bool:
         need = cdiv(length + 1, self.block_size)         # its tokens and the next one
@@ -141,9 +142,10 @@ class PagedPolicy(Policy):
 
 
 class ReservationPolicy(Policy):
-    """Before paging: at admission a request gets one contiguous range of the pool, sized by
-    ``reserve(request)`` and placed first fit, and keeps it until it finishes. Nothing grows, so
-    a step never fails and nothing is preempted; a request that cannot be placed waits."""
+    """Before paging: at admission a request gets one contiguous range of the pool,
+    sized by ``reserve(request)`` and placed first fit, and keeps it until it
+    finishes. Nothing grows, so a step never fails and nothing is preempted; a
+    request that cannot be placed waits."""
 
     def __init__(self, name: str, pool_bytes: int, reserve, *, spec: KVSpec = SIM_SPEC):
         slots = spec.tokens_that_fit(positive_int(pool_bytes, "pool_bytes"))
@@ -158,8 +160,8 @@ class ReservationPolicy(Policy):
     def check(self, workload) -> None:
         for r in workload.requests:
             if self.reserve(r) > self.pool_slots:
-                raise ConfigError(f"request {r.rid} reserves {self.reserve(r)} token slots "
-                                  f"({self.name}); the pool has {self.pool_slots}")
+                raise ConfigError(f"request {r.rid} reserves {self.reserve(r)} token "
+                                  f"slots ({self.name}); the pool has {self.pool_slots}")
 
     def admit(self, req: Request, length: int) -> bool:
         n = self.reserve(req)
@@ -197,10 +199,10 @@ POLICY_NAMES = ("max-length", "power-of-two", "exact first-fit")
 def make_policy(name: str, pool_bytes: int, max_len: int, *, spec: KVSpec = SIM_SPEC,
                 **paged) -> Policy:
     """A policy by name: ``"paged:16"`` (block size 16; ``paged`` holds its options),
-    ``"max-length"`` (every request holds ``max_len`` slots), ``"power-of-two"`` (prompt plus
-    the output rounded up to a power of two: at most twice what the output needs, the vLLM
-    paper's Orca (Pow2)) or ``"exact first-fit"`` (exactly prompt + output, as if the output
-    length were known: Orca (Oracle))."""
+    ``"max-length"`` (every request holds ``max_len`` slots), ``"power-of-two"``
+    (prompt plus the output rounded up to a power of two: at most twice what the
+    output needs, the vLLM paper's Orca (Pow2)) or ``"exact first-fit"`` (exactly
+    prompt + output, as if the output length were known: Orca (Oracle))."""
     if name.startswith("paged:"):
         try:
             bs = int(name.split(":", 1)[1])
@@ -212,6 +214,6 @@ def make_policy(name: str, pool_bytes: int, max_len: int, *, spec: KVSpec = SIM_
                "power-of-two": lambda r: r.prompt + _pow2(r.output),
                "exact first-fit": lambda r: r.total}.get(name)
     if reserve is None:
-        raise ConfigError(f"unknown policy {name!r}; choose 'paged:<block size>' or one of "
-                          f"{list(POLICY_NAMES)}")
+        raise ConfigError(f"unknown policy {name!r}; choose 'paged:<block size>' or one "
+                          f"of {list(POLICY_NAMES)}")
     return ReservationPolicy(name, pool_bytes, reserve, spec=spec)

@@ -1,10 +1,10 @@
 """The serving loop: continuous batching over one pool, first come, first served.
 
-:func:`serve` is the whole algorithm. It keeps requests in two places, a :class:`Queue` (not yet
-arrived, and waiting) and a :class:`Batch` (running), and asks a
-:class:`~pagedkv.sim.policies.Policy` where their memory goes. It measures nothing itself:
-observers (:class:`~pagedkv.sim.measure.Observer`) are told what happens, at four points: a request is admitted, a
-request is preempted, a step is done, a request leaves (:mod:`pagedkv.sim.measure`).
+:func:`serve` is the whole algorithm. It keeps requests in two places, a :class:`Queue`
+(not yet arrived, and waiting) and a :class:`Batch` (running), and asks a
+:class:`~pagedkv.sim.policies.Policy` where their memory goes. It measures nothing
+itself: observers (:class:`~pagedkv.sim.measure.Observer`) are told what happens at four
+points: a request is admitted, a request is preempted, a step is done, a request leaves.
 """
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ from .measure import Observers, Recorder
 
 __all__ = ["Queue", "Batch", "serve", "admit", "recompute", "TOKEN_BUDGET"]
 
-#: Tokens one step may compute, prefill and decode together: vLLM's default
-#: ``max_num_batched_tokens`` (``SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS``).
+#: Tokens one step may compute, prefills and decodes together: the default of vLLM's
+#: ``max_num_batched_tokens`` (``SchedulerConfig`` in ``vllm/config/scheduler.py``).
 TOKEN_BUDGET = 2048
 
 
 class Queue:
-    """Requests that do not run: those yet to arrive, in arrival order, and those waiting,
-    first come, first served. A preempted request goes back to the head, with its tokens."""
+    """Requests that do not run: those yet to arrive, in arrival order, and those
+    waiting, first come, first served, each with the tokens it starts with. A
+    preempted request goes back to the head, with all its tokens so far."""
 
     def __init__(self, requests):
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.rid)))
@@ -40,8 +41,8 @@ class Queue:
             self.waiting.append((req, req.prompt))
 
     def next_arrival(self, step: int) -> int:
-        if not self.pending:
-            raise ConfigError("a waiting request can never be admitted")  # check() prevents it
+        if not self.pending:        # Policy.check prevents it
+            raise ConfigError("a waiting request can never be admitted")
         return max(step + 1, self.pending[0].arrival)
 
 
@@ -76,16 +77,18 @@ class Batch:
         done = self.lens >= self.finals
         if not done.any():
             return []
-        gone = [r for r, d in zip(self.reqs, done.tolist()) if d]
-        self.reqs = [r for r, d in zip(self.reqs, done.tolist()) if not d]
+        flags = done.tolist()
+        gone = [r for r, d in zip(self.reqs, flags) if d]
+        self.reqs = [r for r, d in zip(self.reqs, flags) if not d]
         self.lens, self.finals = self.lens[~done], self.finals[~done]
         return gone
 
 
-def admit(queue: Queue, batch: Batch, policy, max_seqs: int, budget: int, watch, step: int):
-    """Admit waiting requests, head first, while fewer than ``max_seqs`` run, the step's token
-    ``budget`` holds their prefill (and the next token of everyone running), and the policy
-    places them. Returns the head that was refused, as (request, tokens), or None."""
+def admit(queue, batch, policy, max_seqs: int, budget: int, watch, step: int):
+    """Admit waiting requests, head first, while fewer than ``max_seqs`` run, the step's
+    token ``budget`` holds their prefill and next token (after the next token of every
+    running request), and the policy places them. Returns the refused head as
+    (request, tokens), or None."""
     budget -= len(batch)
     while queue.waiting and len(batch) < max_seqs:
         req, length = queue.waiting[0]
@@ -98,9 +101,10 @@ def admit(queue: Queue, batch: Batch, policy, max_seqs: int, budget: int, watch,
     return None
 
 
-def recompute(queue: Queue, batch: Batch, policy, watch, step: int) -> None:
-    """Preemption by recomputation: the newest request gives its memory back and returns to
-    the head of the queue; when admitted again, its tokens so far are prefilled again."""
+def recompute(queue, batch, policy, watch, step: int) -> None:
+    """Preemption by recomputation: the newest request gives its memory back and
+    returns to the head of the queue; admitted again, it prefills all its tokens so
+    far again."""
     req, length = batch.pop_newest()
     policy.release(req.rid)
     queue.waiting.appendleft((req, length))
@@ -109,12 +113,13 @@ def recompute(queue: Queue, batch: Batch, policy, watch, step: int) -> None:
 
 def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BUDGET,
           observers=()):
-    """Serve every request of ``workload`` with ``policy``; return the :class:`Run` measured."""
+    """Serve every request of ``workload`` with ``policy``, at most ``max_seqs`` at once
+    and ``token_budget`` tokens computed a step; return the :class:`Run` measured."""
     max_seqs = positive_int(max_seqs, "max_seqs")
     token_budget = positive_int(token_budget, "token_budget")
-    if workload.longest > token_budget:     # a late preemption prefills almost all of it again
-        raise ConfigError(f"token_budget={token_budget} cannot prefill the longest request "
-                          f"({workload.longest} tokens) after a preemption")
+    if workload.longest > token_budget:     # a late preemption prefills almost all of it
+        raise ConfigError(f"token_budget={token_budget} cannot prefill the longest "
+                          f"request ({workload.longest} tokens) after a preemption")
     policy.check(workload)                  # a request that can never fit is refused now
     recorder = Recorder(workload, policy, max_seqs)
     watch = Observers([recorder, *observers])
@@ -125,7 +130,7 @@ def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BU
         if not batch:                       # nothing runs: jump to the next arrival
             step = queue.next_arrival(step)
             continue
-        while not policy.step(batch.ids):   # out of memory: preempt the newest, try again
+        while not policy.step(batch.ids):   # out of memory: preempt the newest, retry
             recompute(queue, batch, policy, watch, step)
         batch.lens += 1
         step += 1

@@ -1,7 +1,8 @@
 """Workloads: requests with a prompt length, an output length and an arrival step.
 
-A workload is drawn from a named preset (:data:`PRESETS`) with a fixed seed, so the same call
-always gives the same requests. Lengths are in tokens; time is counted in decode steps.
+A workload is drawn from a named preset (:data:`PRESETS`) with a fixed seed, so the same
+call always gives the same requests. Lengths are in tokens; time is counted in decode
+steps.
 """
 from __future__ import annotations
 
@@ -32,17 +33,17 @@ class Request:
 class Workload:
     name: str
     requests: tuple
-    max_len: int   # the longest a sequence may grow: what a max-length reservation holds
+    max_len: int   # the longest a request may grow: what max-length reservation holds
     seed: int
 
     def __post_init__(self):
         for r in self.requests:
             if r.prompt < 1 or r.output < 1 or r.arrival < 0:
-                raise ConfigError(f"request {r.rid}: prompt and output must be at least 1 token "
-                                  f"and the arrival step non-negative, got {r}")
+                raise ConfigError(f"request {r.rid}: prompt and output must be at least "
+                                  f"1 token and the arrival step non-negative, got {r}")
             if r.total > self.max_len:
-                raise ConfigError(f"request {r.rid} grows to {r.total} tokens, past the "
-                                  f"workload's max_len={self.max_len}")
+                raise ConfigError(f"request {r.rid} grows to {r.total} tokens, past "
+                                  f"the workload's max_len={self.max_len}")
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -58,13 +59,14 @@ class Workload:
         return max((r.total for r in self.requests), default=0)
 
 
-#: Length distributions. ``uniform`` draws integers in [lo, hi]. ``lognormal`` has mean ``m``
-#: before rounding and clipping (mu = ln(m) - sigma^2 / 2) and is clipped to [lo, hi]; ``m`` is
-#: set so that the mean *after* clipping is the target: ``chat`` follows the ShareGPT means
-#: reported in the vLLM paper (161 input, 338 output tokens; m = 166.0 and 358.1), ``alpaca``
-#: its Alpaca means (19.3 and 58.5; m = 19.3 and 58.6). The sigmas are our choice (the paper
-#: shows histograms, not parameters): long tails, as conversations and instructions have.
-#: Prompt and output are each clipped to 1024 for ``chat``, so no request passes 2048 tokens.
+#: Length distributions. ``uniform`` draws integers in [lo, hi]. ``lognormal`` has mean
+#: ``m`` before rounding and clipping (mu = ln(m) - sigma^2 / 2) and is clipped to [lo,
+#: hi]; ``m`` is set so that the mean *after* clipping is the target: ``chat`` follows
+#: the ShareGPT means reported in the vLLM paper (161 input, 338 output tokens; m =
+#: 166.0 and 358.1), ``alpaca`` its Alpaca means (19.3 and 58.5; m = 19.3 and 58.6). The
+#: sigmas are our choice (the paper shows histograms, not parameters): long tails, as
+#: conversations and instructions have. Prompt and output are each clipped to 1024 for
+#: ``chat``, so no request passes 2048 tokens.
 PRESETS = {
     "default": dict(prompt=("uniform", 4, 32), output=("uniform", 32, 256), max_len=288,
                     n=100),
@@ -86,21 +88,23 @@ def _draw(rng, spec, n):
 
 def make_workload(preset: str = "default", *, n: int | None = None, seed: int = 0,
                   rate: float | None = None) -> Workload:
-    """``n`` requests from ``preset`` (its own count when ``n`` is None), drawn with ``seed``.
-    ``rate`` (requests per decode step) gives Poisson arrivals; ``None`` puts every request in
-    the queue at step 0."""
+    """``n`` requests from ``preset`` (its own count when ``n`` is None), drawn with
+    ``seed``. ``rate`` (requests per decode step) gives Poisson arrivals; ``None``
+    puts every request in the queue at step 0."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[preset]
     n = p["n"] if n is None else positive_int(n, "the number of requests")
-    if rate is not None and (isinstance(rate, bool) or not rate > 0 or not np.isfinite(rate)):
+    if rate is not None and (isinstance(rate, bool) or not rate > 0
+                             or not np.isfinite(rate)):
         raise ConfigError(f"the arrival rate must be a positive number, got {rate!r}")
     rng = np.random.default_rng(count(seed, "the seed"))
     prompts, outputs = _draw(rng, p["prompt"], n), _draw(rng, p["output"], n)
     if rate is None:
         arrivals = np.zeros(n, dtype=np.int64)
-    else:  # a Poisson process: exponential gaps, arrival step = floor of the arrival time
-        arrivals = np.floor(np.cumsum(rng.exponential(1.0 / rate, size=n))).astype(np.int64)
+    else:  # a Poisson process: exponential gaps; arrival step = floor of the arrival time
+        times = np.cumsum(rng.exponential(1.0 / rate, size=n))
+        arrivals = np.floor(times).astype(np.int64)
     reqs = tuple(Request(i, int(a), int(pl), int(ol))
                  for i, (a, pl, ol) in enumerate(zip(arrivals, prompts, outputs)))
     return Workload(preset, reqs, int(p["max_len"]), int(seed))
