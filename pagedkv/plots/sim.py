@@ -51,7 +51,7 @@ def plot_utilization(runs, what: str = "tokens", *, title=None, ax=None):
     ax.set_ylim(0, 1.02)
     _percent_axis(ax.yaxis)
     ax.grid(alpha=0.3)
-    _legend(ax, None, loc="lower right", ncol=1 if len(runs) < 4 else 2)
+    _legend(ax, None, loc="upper right", ncol=1 if len(runs) < 4 else 2)
     if title:
         ax.set_title(title, fontsize=11)
     return fig
@@ -164,10 +164,10 @@ def plot_sharing(refcounts, *, title=None, ax=None):
 
 def beam_pool_figure(width: int = 4, *, prompt: int = 10, output: int = 30, block_size: int = 4,
                      seed: int = 0, ax=None):
-    """One beam search of ``width`` beams on a fresh pool of 96 blocks, drawn with
+    """One beam search of ``width`` beams on a fresh pool of 128 blocks, drawn with
     :func:`plot_sharing`. Returns (figure, the :class:`~pagedkv.sim.PagedKV`,
     saving)."""
-    kv = sim.PagedKV(96 * sim.SIM_SPEC.block_bytes(block_size), block_size, write=True)
+    kv = sim.PagedKV(128 * sim.SIM_SPEC.block_bytes(block_size), block_size, write=True)
     frames = []
     used, unshared = sim.beam_search(kv, 0, prompt, output, width, np.random.default_rng(seed),
                                      on_step=lambda kv: frames.append(kv.allocator.refcounts()))
@@ -253,7 +253,10 @@ def explore_simulation(**fixed):
 
 
 def explore_beam(**fixed):
-    """A slider for the beam width over :func:`beam_pool_figure` (live kernel)."""
+    """Sliders for the beam width and the prompt length over :func:`beam_pool_figure` (live
+    kernel)."""
     import ipywidgets as w
-    return w.interactive(lambda width: beam_pool_figure(width, **fixed)[0],
-                         width=w.IntSlider(value=4, min=1, max=8, description="beam width"))
+    return w.interactive(
+        lambda width, prompt: beam_pool_figure(width, prompt=prompt, **fixed)[0],
+        width=w.IntSlider(value=6, min=1, max=8, description="beam width"),
+        prompt=w.IntSlider(value=10, min=1, max=40, description="prompt"))
