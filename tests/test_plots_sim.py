@@ -90,3 +90,13 @@ def test_beam_pool_figure_and_the_widget_figure():
     assert kv.corrupted == 0 and 0 < saving < 1 and kv.allocator.num_used == 0
     fig = simplots.simulation_figure(block_size=16, concurrency=8, n=20, pool_mib=1)
     assert len(fig.axes) == 2 and min(tick_sizes(fig)) >= 9
+
+
+def test_widgets_show_the_figure_of_their_setting():
+    pytest.importorskip("ipywidgets")
+    explore = simplots.explore_beam()
+    assert explore.auto_display and isinstance(explore.result, Figure)
+    title = explore.result.axes[0].get_title()
+    explore.children[0].value = 2                       # the width slider
+    assert explore.result.axes[0].get_title() != title and "width 2" in \
+        explore.result.axes[0].get_title()

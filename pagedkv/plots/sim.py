@@ -247,6 +247,7 @@ def explore_simulation(**fixed):
     import ipywidgets as w
     return w.interactive(
         lambda block_size, concurrency: simulation_figure(block_size, concurrency, **fixed),
+        {"auto_display": True},           # show the returned figure, as interact does
         block_size=w.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=16,
                                      description="block size"),
         concurrency=w.IntSlider(value=32, min=1, max=128, step=1, description="max seqs"))
@@ -258,5 +259,6 @@ def explore_beam(**fixed):
     import ipywidgets as w
     return w.interactive(
         lambda width, prompt: beam_pool_figure(width, prompt=prompt, **fixed)[0],
+        {"auto_display": True},
         width=w.IntSlider(value=6, min=1, max=8, description="beam width"),
         prompt=w.IntSlider(value=10, min=1, max=40, description="prompt"))
