@@ -112,9 +112,10 @@ def recompute(queue, batch, policy, watch, step: int) -> None:
 
 
 def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BUDGET,
-          observers=()):
+          observers=(), preempt=recompute):
     """Serve every request of ``workload`` with ``policy``, at most ``max_seqs`` at once
-    and ``token_budget`` tokens computed a step; return the :class:`Run` measured."""
+    and ``token_budget`` tokens computed a step, ``preempt`` making room when a step runs
+    out of memory; return the :class:`Run` measured."""
     max_seqs = positive_int(max_seqs, "max_seqs")
     token_budget = positive_int(token_budget, "token_budget")
     if workload.longest > token_budget:     # a late preemption prefills almost all of it
@@ -130,8 +131,8 @@ def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BU
         if not batch:                       # nothing runs: jump to the next arrival
             step = queue.next_arrival(step)
             continue
-        while not policy.step(batch.ids):   # out of memory: preempt the newest, retry
-            recompute(queue, batch, policy, watch, step)
+        while not policy.step(batch.ids):   # out of memory: preempt, then try again
+            preempt(queue, batch, policy, watch, step)
         batch.lens += 1
         step += 1
         watch.stepped(step, batch, queue, refused)
