@@ -110,6 +110,36 @@ def test_draw_manager_patches(manager):
     assert len(rectangles(fig)) == 12 + 4       # a square per block, a bar per used block
 
 
+def legend_labels(fig):
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_draw_manager_legend_explains_the_partial_fill(manager):
+    labels = legend_labels(mem.draw_manager(manager))
+    assert labels[:3] == ["seq a", "seq b", "seq c"] and "free" in labels
+    assert any(lab.startswith("solid") for lab in labels)
+    assert any(lab.startswith("pale") for lab in labels)
+    # without fills there is no bar, so the legend does not mention one
+    plain = legend_labels(mem.draw_pool(["a", "a", None]))
+    assert plain == ["seq a", "free"]
+    assert legend_labels(mem.draw_pool(["a", "b"])) == ["seq a", "seq b"]   # nothing free
+
+
+def test_manager_owners_of_the_first_blocks(manager):
+    owners, fills = mem.manager_owners(manager, num_blocks=3)
+    assert owners == ["a", "a", "b"] and fills == [4, 1, 4]
+    assert mem.FREE is None and mem.manager_owners(manager)[0][5] is mem.FREE
+
+
+def test_text_is_readable(manager):
+    for fig in (mem.draw_manager(manager), mem.draw_page_tables([1, 0], 4),
+                mem.draw_allocator(manager.allocator)):
+        ax = fig.axes[0]
+        sizes = [t.get_fontsize() for t in ax.texts]
+        sizes += [t.get_fontsize() for t in ax.get_legend().get_texts()]
+        assert min(sizes) >= 8 and sorted(sizes)[len(sizes) // 2] >= 9
+
+
 # --------------------------------------------------------------------------- page tables
 def test_draw_page_tables_counts():
     fig = mem.draw_page_tables([7, 5, 3], 12, in_use=[0, 2])

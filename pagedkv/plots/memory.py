@@ -5,7 +5,12 @@ left open behind the caller's back and a notebook shows the figure exactly once 
 value, or with ``display``). Drawing is deterministic: the same input gives the same picture.
 
 Colours come from the Okabe-Ito palette, which stays distinguishable with the common forms of
-colour blindness; free memory is pale grey, and memory held but holding nothing is hatched.
+colour blindness; free memory is pale grey, and memory held but holding nothing is hatched. Text
+is at least 9 pt. The simulation's plots (:mod:`pagedkv.plots.sim`) use the same palette.
+
+Block ownership has one encoding across the package: a block's owner is :data:`FREE` (``None``)
+when no sequence maps it, the sequence's id when one sequence maps it, and :data:`SHARED` when
+several do (:func:`manager_owners` reads it from a live manager).
 
 Three kinds of picture:
 
@@ -25,7 +30,9 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-__all__ = ["PALETTE", "FREE_COLOR", "SHARED", "owner_colors", "draw_pool", "draw_allocator",
+from ..checks import positive_int
+
+__all__ = ["PALETTE", "FREE_COLOR", "FREE", "SHARED", "owner_colors", "draw_pool", "draw_allocator",
            "manager_owners", "draw_manager", "draw_page_tables", "Region", "contiguous_layout",
            "exact_layout", "paged_layout", "free_holes", "first_fit", "layout_summary",
            "draw_layouts"]
@@ -34,13 +41,17 @@ __all__ = ["PALETTE", "FREE_COLOR", "SHARED", "owner_colors", "draw_pool", "draw
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442")
 FREE_COLOR = "#EEEEEE"
 EDGE_COLOR = "#555555"
-#: The owner name :func:`manager_owners` gives a block that several sequences share.
+#: The owner of a block that no sequence maps.
+FREE = None
+#: The owner of a block that several sequences map.
 SHARED = "shared"
 SHARED_COLOR = "#777777"
+#: How a partly filled block is drawn: a pale square, and a solid bar as high as its tokens.
+PALE = 0.35
 
 
 def _is_free(owner) -> bool:
-    return owner is None
+    return owner is FREE
 
 
 def _is_int(o) -> bool:
@@ -80,11 +91,12 @@ def _owner_label(o) -> str:
     return o if o in (SHARED, "used") else f"seq {o}"
 
 
-def _legend(ax, colors, free=True, loc="upper left"):
+def _legend(ax, colors, free=True, loc="upper left", extra=()):
     handles = [Patch(facecolor=c, edgecolor=EDGE_COLOR, label=_owner_label(o))
                for o, c in colors.items()]
     if free:
         handles.append(Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free"))
+    handles += list(extra)
     if handles:
         ax.legend(handles=handles, loc=loc, bbox_to_anchor=(1.01, 1.0), frameon=False,
                   fontsize=9)
@@ -111,8 +123,7 @@ def draw_pool(owners, *, fills=None, block_size=None, notes=None, ncols=16, titl
     """
     owners = _check_owners(owners)
     n = len(owners)
-    if isinstance(ncols, bool) or not isinstance(ncols, (int, np.integer)) or ncols < 1:
-        raise ValueError(f"ncols must be a positive integer, got {ncols!r}")
+    ncols = positive_int(ncols, "ncols")
     if fills is not None:
         fills = [int(f) for f in fills]
         if len(fills) != n:
@@ -122,10 +133,11 @@ def draw_pool(owners, *, fills=None, block_size=None, notes=None, ncols=16, titl
         if any(f < 0 or f > block_size for f in fills):
             raise ValueError(f"every fill must lie in [0, {block_size}]")
     notes = dict(notes or {})
-    ncols = min(int(ncols), n)
+    ncols = min(ncols, n)
     nrows = -(-n // ncols)
     colors = owner_colors(owners)
-    legend_rows = len(colors) + 1
+    partly = fills is not None and any(not _is_free(o) for o in owners)
+    legend_rows = len(colors) + 1 + 2 * partly
     fig, ax = _new_axes(ax, (min(0.62 * ncols, 11) + 1.6,
                              max(0.62 * nrows + 0.7, 0.22 * legend_rows + 0.6)))
     for b, o in enumerate(owners):
@@ -135,7 +147,7 @@ def draw_pool(owners, *, fills=None, block_size=None, notes=None, ncols=16, titl
         color = FREE_COLOR if free else colors[o]
         partial = fills is not None and not free
         ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=color,
-                               alpha=0.35 if partial else 1.0, edgecolor=EDGE_COLOR, lw=0.8))
+                               alpha=PALE if partial else 1.0, edgecolor=EDGE_COLOR, lw=0.8))
         if partial:
             h = 0.9 * fills[b] / block_size
             ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, h, facecolor=color,
@@ -146,7 +158,7 @@ def draw_pool(owners, *, fills=None, block_size=None, notes=None, ncols=16, titl
         ax.text(x + 0.5, y + (0.62 if b in notes else 0.5), str(b), ha="center",
                 va="center", fontsize=9, color=text_color)
         if b in notes:
-            ax.text(x + 0.5, y + 0.28, str(notes[b]), ha="center", va="center", fontsize=7,
+            ax.text(x + 0.5, y + 0.28, str(notes[b]), ha="center", va="center", fontsize=8,
                     color=text_color)
     ax.set_xlim(0, ncols)
     ax.set_ylim(0, nrows)
@@ -154,7 +166,11 @@ def draw_pool(owners, *, fills=None, block_size=None, notes=None, ncols=16, titl
     ax.axis("off")
     if title:
         ax.set_title(title, fontsize=11)
-    _legend(ax, colors, free=any(_is_free(o) for o in owners))
+    fill_keys = [Patch(facecolor=SHARED_COLOR, edgecolor=EDGE_COLOR,
+                       label="solid: slots holding tokens"),
+                 Patch(facecolor=SHARED_COLOR, alpha=PALE, edgecolor=EDGE_COLOR,
+                       label="pale: empty slots of a used block")] if partly else []
+    _legend(ax, colors, free=any(_is_free(o) for o in owners), extra=fill_keys)
     return fig
 
 
@@ -171,22 +187,24 @@ def draw_allocator(allocator, *, ncols=16, title=None, ax=None) -> Figure:
     return draw_pool(owners, notes=notes, ncols=ncols, title=title, ax=ax)
 
 
-def manager_owners(manager) -> tuple[list, list]:
-    """(owner of each block, tokens each block holds) for a :class:`~pagedkv.manager.KVCacheManager`.
+def manager_owners(manager, num_blocks: int | None = None) -> tuple[list, list]:
+    """(owner of each block, tokens each block holds) in a
+    :class:`~pagedkv.manager.KVCacheManager`'s pool, or in its first ``num_blocks`` blocks.
 
     A block mapped by one sequence is owned by that sequence's id; one mapped by several is
-    :data:`SHARED`; an unmapped block is ``None``.
+    :data:`SHARED`; an unmapped block is :data:`FREE`.
     """
-    n = manager.allocator.num_blocks
+    n = manager.allocator.num_blocks if num_blocks is None else min(
+        positive_int(num_blocks, "num_blocks"), manager.allocator.num_blocks)
     bs = manager.block_size
-    owners: list = [None] * n
+    owners: list = [FREE] * n
     fills = [0] * n
     for s in manager.seq_ids:
-        table = manager.block_table(s).tolist()
         length = manager.num_tokens(s)
-        for j, b in enumerate(table):
-            owners[b] = s if owners[b] is None else SHARED
-            fills[b] = min(bs, length - j * bs)
+        for j, b in enumerate(manager.block_table(s).tolist()):
+            if b < n:
+                owners[b] = s if owners[b] is FREE else SHARED
+                fills[b] = min(bs, length - j * bs)
     return owners, fills
 
 
@@ -208,22 +226,20 @@ def draw_page_tables(tables, num_blocks: int, *, in_use=(), title=None, ax=None)
     """
     if not isinstance(tables, dict):
         tables = {0: list(tables)}
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) \
-            or num_blocks < 1:
-        raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-    owners: list = [None] * int(num_blocks)
+    num_blocks = positive_int(num_blocks, "num_blocks")
+    owners: list = [FREE] * num_blocks
     for s, blocks in tables.items():
         for b in blocks:
             b = int(b)
             if not 0 <= b < num_blocks:
                 raise ValueError(f"sequence {s!r} maps block {b}, outside the pool "
                                  f"[0, {num_blocks})")
-            owners[b] = s if owners[b] is None else SHARED
+            owners[b] = s if owners[b] is FREE else SHARED
     elsewhere = set()
     for b in in_use:
         if not 0 <= int(b) < num_blocks:
             raise ValueError(f"in_use lists block {b}, outside the pool [0, {num_blocks})")
-        if owners[int(b)] is None:
+        if owners[int(b)] is FREE:
             elsewhere.add(int(b))
     colors = owner_colors(list(tables) + owners)
     width = max(int(num_blocks), max((len(t) for t in tables.values()), default=0))
@@ -232,12 +248,12 @@ def draw_page_tables(tables, num_blocks: int, *, in_use=(), title=None, ax=None)
     fig, ax = _new_axes(ax, (scale * (width + 1.6) + 0.3, scale * (2.2 + 1.25 * rows) + 0.4))
     pool_y = 0.0
     for b, o in enumerate(owners):
-        color = FREE_COLOR if o is None else colors[o]
+        color = FREE_COLOR if o is FREE else colors[o]
         ax.add_patch(Rectangle((b + 0.05, pool_y), 0.9, 0.9, facecolor=color,
                                edgecolor=EDGE_COLOR, lw=0.8, hatch="///" if b in elsewhere
                                else None))
         ax.text(b + 0.5, pool_y + 0.45, str(b), ha="center", va="center", fontsize=9,
-                color="black" if o is None or color in ("#F0E442", "#E69F00", "#56B4E9")
+                color="black" if o is FREE or color in ("#F0E442", "#E69F00", "#56B4E9")
                 else "white")
     ax.text(-0.2, pool_y + 0.45, "physical\nblocks", ha="right", va="center", fontsize=9)
     for k, (s, blocks) in enumerate(tables.items()):

@@ -1,162 +1,264 @@
-"""Pictures of the simulation: utilization over time, where the pool's memory goes, the pool's
-blocks over time, sharing savings, and widgets to explore them live.
+"""Pictures of the simulation: where the pool's memory goes, the pool's blocks over
+time, sharing savings, and widgets to explore them live.
 
-Every function draws on a matplotlib ``Axes`` (a new figure when none is given) and returns it;
-nothing here is random, so the same runs give the same pictures.
+The same convention as :mod:`pagedkv.plots.memory`: every function returns a
+:class:`matplotlib.figure.Figure` built without ``pyplot`` (drawn on ``ax`` when one is
+given), colours come from its Okabe-Ito palette, free memory is pale grey, and text is
+at least 9 pt. Nothing here is random: the same runs give the same pictures.
 """
 from __future__ import annotations
 
 import numpy as np
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 from .. import sim
+from ..sim.measure import Observer
+from .memory import (EDGE_COLOR, FREE, FREE_COLOR, PALETTE, SHARED, SHARED_COLOR, _new_axes,
+                     manager_owners)
 
-__all__ = ["plot_utilization", "plot_breakdown", "plot_pool", "plot_savings",
-           "explore_simulation", "explore_beam", "CATEGORY_COLORS"]
+__all__ = ["CATEGORY_COLORS", "plot_utilization", "plot_shares", "plot_breakdown",
+           "PoolRecorder", "plot_pool", "plot_sharing", "beam_pool_figure", "plot_savings",
+           "simulation_figure", "explore_simulation", "explore_beam"]
 
-#: token states / reserved / internal / external / free, as in Figure 2 of the vLLM paper
-CATEGORY_COLORS = {"tokens": "#4c9a2a", "reserved": "#f2b134", "internal": "#d9534f",
-                   "external": "#7b4fa0", "free": "#e8e8e8"}
-
-
-def _axes(ax, size=(8, 3.5)):
-    if ax is None:
-        import matplotlib.pyplot as plt
-        _, ax = plt.subplots(figsize=size, layout="constrained")
-    return ax
+#: The memory categories of :mod:`pagedkv.sim.measure`, as in Figure 2 of the vLLM
+#: paper; ``unsplit`` is waste a source reports without saying which kind it is.
+CATEGORY_COLORS = {"tokens": PALETTE[2], "reserved": PALETTE[1], "internal": PALETTE[5],
+                   "external": PALETTE[3], "free": FREE_COLOR, "unsplit": SHARED_COLOR}
+#: Blocks of requests that a pool picture does not single out.
+OTHER_COLOR = "#B4B4B4"
 
 
-def plot_utilization(runs, ax=None, what: str = "held"):
-    """Share of the pool held (``what="held"``) or holding token K/V (``"tokens"``), per decode
-    step, one line per run."""
-    ax = _axes(ax)
-    for run in runs:
+def _percent_axis(axis):
+    axis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+
+
+def _legend(ax, handles, **kw):
+    ax.legend(handles=handles, fontsize=9, frameon=False, **kw)
+
+
+# ------------------------------------------------------------------ memory over time
+def plot_utilization(runs, what: str = "tokens", *, title=None, ax=None):
+    """Share of the pool holding K/V (``what="tokens"``) or held (``"held"``), per
+    decode step, one line per run."""
+    fig, ax = _new_axes(ax, (8, 3.4))
+    for i, run in enumerate(runs):
         s = run.series
-        ax.plot(s["step"], s[what] / run.pool_slots, lw=1.2, label=run.policy)
+        ax.plot(s["step"], s[what] / run.pool_slots, lw=1.3, color=PALETTE[i % len(PALETTE)],
+                label=f"{run.policy} ({run.steps} steps)")
     ax.set_xlabel("decode step")
     ax.set_ylabel("share of the pool " + ("held" if what == "held" else "holding K/V"))
     ax.set_ylim(0, 1.02)
-    ax.yaxis.set_major_formatter(_percent())
-    ax.legend(fontsize=8, ncol=2, loc="lower right")
+    _percent_axis(ax.yaxis)
     ax.grid(alpha=0.3)
-    return ax
+    _legend(ax, None, loc="upper right", ncol=1 if len(runs) < 4 else 2)
+    if title:
+        ax.set_title(title, fontsize=11)
+    return fig
 
 
-def _percent():
-    from matplotlib.ticker import PercentFormatter
-    return PercentFormatter(1.0, decimals=0)
-
-
-def plot_breakdown(runs, ax=None, busy: bool = True):
-    """One horizontal bar per run: the time-averaged shares of the pool holding token K/V,
-    reserved for tokens to come, lost inside reservations or blocks (internal), lost between
-    them (external), and free. ``busy``: average only over steps when a request waited."""
-    ax = _axes(ax, (8, 0.45 * len(runs) + 1.2))
-    names = [r.policy for r in runs]
-    y = np.arange(len(runs))[::-1]
-    left = np.zeros(len(runs))
+def plot_shares(rows, *, xlabel="share of the pool", title=None, ax=None):
+    """One horizontal bar per ``(label, shares)`` in ``rows``, split into the
+    categories of :data:`CATEGORY_COLORS`; shares of 6 % or more are printed on the
+    bar. The legend lists only the categories drawn."""
+    rows = list(rows)
+    fig, ax = _new_axes(ax, (8.5, 0.42 * len(rows) + 1.3))
+    y = np.arange(len(rows))[::-1]
+    left = np.zeros(len(rows))
+    drawn = []
     for key, color in CATEGORY_COLORS.items():
-        share = np.array([r.breakdown(busy)[key] for r in runs])
-        ax.barh(y, share, left=left, color=color, edgecolor="white", label=key)
-        for yi, l, w in zip(y, left, share):
+        share = np.array([shares.get(key, 0.0) for _, shares in rows])
+        if not share.any():
+            continue
+        ax.barh(y, share, left=left, color=color, edgecolor="white",
+                hatch="//" if key == "unsplit" else None)
+        for yi, lft, w in zip(y, left, share):
             if w >= 0.06:
-                ax.text(l + w / 2, yi, f"{w:.0%}", ha="center", va="center", fontsize=8)
+                ax.text(lft + w / 2, yi, f"{w:.0%}", ha="center", va="center", fontsize=9,
+                        color="white" if key in ("tokens", "internal") else "black")
+        drawn.append(Patch(facecolor=color, edgecolor=EDGE_COLOR,
+                           hatch="//" if key == "unsplit" else None,
+                           label="waste not split" if key == "unsplit" else key))
         left += share
-    ax.set_yticks(y, names)
+    ax.set_yticks(y, [label for label, _ in rows], fontsize=10)
     ax.set_xlim(0, 1)
-    ax.xaxis.set_major_formatter(_percent())
-    ax.set_xlabel("share of the pool, averaged over the steps when a request waited" if busy
-                  else "share of the pool, averaged over all steps")
-    ax.legend(ncol=5, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    return ax
+    _percent_axis(ax.xaxis)
+    ax.set_xlabel(xlabel)
+    _legend(ax, drawn, ncol=len(drawn), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    if title:
+        ax.set_title(title, fontsize=11, pad=28)
+    return fig
 
 
-def plot_pool(owners, ax=None, title: str = "", shared_label: str = "shared (refcount > 1)"):
-    """A heat map of the pool: one row per block, one column per step, coloured by the owner
-    (``owners[step, block]``: an owner id, -2 for a shared block, -1 for a free one)."""
-    import matplotlib.colors as mcolors
-    ax = _axes(ax, (8, 3.5))
-    owners = np.asarray(owners)
-    palette = np.array(mcolors.to_rgba_array(
-        ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-         "#17becf", "#bcbd22", "#7f7f7f"]))
-    img = np.ones(owners.shape + (4,))
-    own = owners >= 0
-    img[own] = palette[owners[own] % len(palette)]
-    img[owners == -2] = mcolors.to_rgba("black")
-    ax.imshow(img.transpose(1, 0, 2), aspect="auto", interpolation="nearest", origin="lower",
-              extent=(0.5, owners.shape[0] + 0.5, -0.5, owners.shape[1] - 0.5))
+def plot_breakdown(runs, busy: bool = True, *, title=None, ax=None):
+    """:func:`plot_shares` of each run's time-averaged breakdown (see ``Run.breakdown``)."""
+    return plot_shares([(r.policy, r.breakdown(busy)) for r in runs], title=title, ax=ax,
+                       xlabel="share of the pool, averaged over the steps when a request waited"
+                       if busy else "share of the pool, averaged over all steps")
+
+
+# ------------------------------------------------------------------ the pool over time
+class PoolRecorder(Observer):
+    """An observer of :func:`~pagedkv.sim.serving.serve`: after every step, the owner
+    of each of the pool's first ``blocks`` blocks
+    (:func:`~pagedkv.plots.memory.manager_owners`)."""
+
+    def __init__(self, manager, blocks: int):
+        self.manager, self.blocks, self.frames = manager, blocks, []
+
+    def stepped(self, step, batch, queue, refused):
+        self.frames.append(manager_owners(self.manager, self.blocks)[0])
+
+
+def _heat(ax, codes, colors, labels):
+    """Draw ``codes[step, block]`` (indexes into ``colors``) as an image; legend for
+    the codes that occur."""
+    rgb = np.array([[int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)] for c in colors])
+    ax.imshow(rgb[codes].transpose(1, 0, 2), aspect="auto", interpolation="nearest",
+              origin="lower", extent=(0.5, codes.shape[0] + 0.5, -0.5, codes.shape[1] - 0.5))
     ax.set_xlabel("decode step")
     ax.set_ylabel("physical block")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    present = np.unique(codes)
+    _legend(ax, [Patch(facecolor=colors[k], edgecolor=EDGE_COLOR, label=labels[k])
+                 for k in present], loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def plot_pool(frames, highlight=(), *, title=None, ax=None):
+    """A heat map of the pool: one column per step, one row per block. The requests
+    in ``highlight`` get a colour each; other requests' blocks are grey, shared
+    blocks dark grey, free blocks pale. ``frames[step][block]`` is a block's owner
+    (one encoding: :data:`~pagedkv.plots.memory.FREE`, a request id, or
+    :data:`~pagedkv.plots.memory.SHARED`)."""
+    highlight = list(highlight)
+    colors = [FREE_COLOR, OTHER_COLOR, SHARED_COLOR] + [PALETTE[i % len(PALETTE)]
+                                                        for i in range(len(highlight))]
+    labels = ["free", "other requests", "shared"] + [f"request {r}" for r in highlight]
+    index = {r: 3 + i for i, r in enumerate(highlight)}
+    codes = np.array([[0 if o is FREE else 2 if o == SHARED else index.get(o, 1) for o in f]
+                      for f in frames], dtype=np.int64)
+    fig, ax = _new_axes(ax, (9, 3.6))
+    _heat(ax, codes, colors, labels)
     if title:
-        ax.set_title(title, fontsize=10)
-    from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color="black", label=shared_label),
-                       Patch(facecolor="white", edgecolor="grey", label="free")],
-              fontsize=8, loc="upper left", framealpha=0.9)
-    return ax
+        ax.set_title(title, fontsize=11)
+    return fig
 
 
-def plot_savings(ours: dict, paper: dict, ax=None):
-    """Grouped bars: memory saved by sharing, ours against the paper's, per (mode, width)."""
-    ax = _axes(ax, (8, 3.2))
-    keys = list(ours)
-    x = np.arange(len(keys))
-    ax.bar(x - 0.2, [ours[k] for k in keys], 0.4, label="this simulation", color="#4c9a2a")
-    ax.bar(x + 0.2, [paper.get(k, np.nan) for k in keys], 0.4, label="vLLM paper (Alpaca)",
-           color="#999999")
-    for xi, k in zip(x, keys):
-        ax.text(xi - 0.2, ours[k] + 0.01, f"{ours[k]:.1%}", ha="center", fontsize=8)
-    ax.set_xticks(x, [f"{m} {w}" for m, w in keys])
-    ax.yaxis.set_major_formatter(_percent())
+def plot_sharing(refcounts, *, title=None, ax=None):
+    """A heat map of the pool coloured by how many sequences map each block:
+    ``refcounts[step][block]`` (0: free; 1: one sequence; 2 and more: shared)."""
+    import matplotlib
+    codes = np.asarray(refcounts, dtype=np.int64)
+    top = max(int(codes.max()), 2)
+    shades = matplotlib.colormaps["OrRd"](np.linspace(0.35, 0.95, top - 1))
+    colors = [FREE_COLOR, PALETTE[4]] + ["#%02x%02x%02x" % tuple(int(255 * c) for c in s[:3])
+                                         for s in shades]
+    labels = ["free", "1 sequence"] + [f"{k} sequences" for k in range(2, top + 1)]
+    fig, ax = _new_axes(ax, (9, 3.4))
+    _heat(ax, codes, colors, labels)
+    if title:
+        ax.set_title(title, fontsize=11)
+    return fig
+
+
+def beam_pool_figure(width: int = 4, *, prompt: int = 10, output: int = 30, block_size: int = 4,
+                     seed: int = 0, ax=None):
+    """One beam search of ``width`` beams on a fresh pool of 128 blocks, drawn with
+    :func:`plot_sharing`. Returns (figure, the :class:`~pagedkv.sim.PagedKV`,
+    saving)."""
+    kv = sim.PagedKV(128 * sim.SIM_SPEC.block_bytes(block_size), block_size, write=True)
+    frames = []
+    used, unshared = sim.beam_search(kv, 0, prompt, output, width, np.random.default_rng(seed),
+                                     on_step=lambda kv: frames.append(kv.allocator.refcounts()))
+    frames = np.array(frames)
+    rows = int(np.flatnonzero(frames.any(axis=0)).max()) + 1
+    saving = 1 - used / unshared
+    fig = plot_sharing(frames[:, :rows], ax=ax, title=(
+        f"beam width {width}: {saving:.0%} of the block-steps saved, {kv.copies} copies, "
+        f"{kv.corrupted} corrupted tokens"))
+    return fig, kv, saving
+
+
+# ------------------------------------------------------------------ sharing savings
+def plot_savings(ours: dict, paper: dict, *, paper_label="vLLM paper", title=None, ax=None):
+    """Grouped bars per ``(mode, width)`` key: our saving beside the paper's (when it
+    has that key), each labelled with its value."""
+    fig, ax = _new_axes(ax, (8.5, 3.4))
+    for x, key in enumerate(ours):
+        pair = [(ours[key], PALETTE[2])] + ([(paper[key], SHARED_COLOR)] if key in paper else [])
+        for j, (value, color) in enumerate(pair):
+            xi = x + (j - (len(pair) - 1) / 2) * 0.38
+            ax.bar(xi, value, 0.36, color=color, edgecolor="white")
+            ax.text(xi, value + 0.01, f"{value:.1%}", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(ours)), [f"{m}\nwidth {w}" for m, w in ours], fontsize=10)
+    ax.set_ylim(0, max(max(ours.values()), max(paper.values(), default=0)) * 1.18)
+    _percent_axis(ax.yaxis)
     ax.set_ylabel("memory saved by sharing")
-    ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return ax
+    _legend(ax, [Patch(facecolor=PALETTE[2], label="this simulation"),
+                 Patch(facecolor=SHARED_COLOR, label=paper_label)], loc="upper left")
+    if title:
+        ax.set_title(title, fontsize=11)
+    return fig
 
 
-# ------------------------------------------------------------------ widgets
-
-def explore_simulation(preset: str = "chat", n: int = 150, pool_mib: int = 16,
-                       rate: float = 1.0, seed: int = 0):
-    """Sliders for block size and concurrency; redraws the paged run's utilization against
-    max-length reservation on the same trace (needs a live kernel)."""
-    import ipywidgets as w
-    import matplotlib.pyplot as plt
+# ------------------------------------------------------------------ exploring
+def simulation_figure(block_size: int = 16, concurrency: int = 32, *, preset: str = "chat",
+                      n: int = 150, pool_mib: int = 4, rate: float = 1.0, seed: int = 0):
+    """The paged run at ``block_size`` and ``concurrency`` on a small pool: the share
+    of the pool its blocks hold and the share holding K/V (the gap is the blocks'
+    unfilled slots), and the requests running, per step; max-length reservation on
+    the same trace for reference."""
+    from matplotlib.figure import Figure
     wl = sim.make_workload(preset, n=n, seed=seed, rate=rate)
+    pool = pool_mib * sim.MiB
+    paged = sim.serve(wl, sim.make_policy(f"paged:{block_size}", pool, wl.max_len,
+                                          max_seqs=concurrency), max_seqs=concurrency)
+    naive = sim.serve(wl, sim.make_policy("max-length", pool, wl.max_len),
+                      max_seqs=concurrency)
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    s = paged.series
+    left.plot(s["step"], s["held"] / paged.pool_slots, lw=1.2, color=PALETTE[0],
+              label="held in blocks")
+    left.plot(s["step"], s["tokens"] / paged.pool_slots, lw=1.2, color=PALETTE[2],
+              label="holding K/V")
+    left.set_ylim(0, 1.05)
+    _percent_axis(left.yaxis)
+    left.set_ylabel("share of the pool")
+    right.plot(s["step"], s["running"], lw=1.2, color=PALETTE[0], label="running")
+    right.axhline(concurrency, color=SHARED_COLOR, lw=1, ls="--", label="max seqs")
+    right.set_ylabel("requests running")
+    right.set_ylim(0, max(concurrency, paged.peak_running) * 1.15)
+    for ax in (left, right):
+        ax.set_xlabel("decode step")
+        ax.set_xlim(0, max(paged.steps, 1))
+        ax.grid(alpha=0.3)
+        _legend(ax, None, loc="lower center")
+    fig.suptitle(f"{n} {preset} requests, {pool_mib} MiB pool, block size {block_size}, at most "
+                 f"{concurrency} at once: {paged.steps} steps, {paged.preemptions} preemptions "
+                 f"(max-length reservation: {naive.steps} steps)", fontsize=10.5)
+    return fig
 
-    def draw(block_size=16, concurrency=64):
-        fig, ax = plt.subplots(figsize=(8, 3), layout="constrained")
-        runs = [sim.serve(wl, sim.make_policy(name, pool_mib * sim.MiB, wl.max_len,
-                                              **({"max_seqs": concurrency}
-                                                 if name.startswith("paged") else {})),
-                          max_seqs=concurrency)
-                for name in (f"paged:{block_size}", "max-length")]
-        plot_utilization(runs, ax, what="tokens")
-        ax.set_title(f"{preset}, {n} requests: paged finishes in {runs[0].steps} steps, "
-                     f"max-length in {runs[1].steps}", fontsize=10)
-        plt.show()
 
-    return w.interactive(draw, block_size=w.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128],
-                                                            value=16, description="block size"),
-                         concurrency=w.IntSlider(value=64, min=1, max=256, step=1,
-                                                 description="max seqs"))
-
-
-def explore_beam(prompt: int = 10, output: int = 30, block_size: int = 4, seed: int = 0):
-    """A slider for the beam width; redraws the pool during one beam search (live kernel)."""
+def explore_simulation(**fixed):
+    """Sliders for block size and concurrency over :func:`simulation_figure` (live kernel)."""
     import ipywidgets as w
-    import matplotlib.pyplot as plt
+    return w.interactive(
+        lambda block_size, concurrency: simulation_figure(block_size, concurrency, **fixed),
+        {"auto_display": True},           # show the returned figure, as interact does
+        block_size=w.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=16,
+                                     description="block size"),
+        concurrency=w.IntSlider(value=32, min=1, max=128, step=1, description="max seqs"))
 
-    def draw(width=4):
-        kv = sim.PagedKV(96 * block_size * 512, block_size, write=True)
-        record = []
-        used, unshared = sim.beam_search(kv, 0, prompt, output, width,
-                                         np.random.default_rng(seed), record=record)
-        fig, ax = plt.subplots(figsize=(8, 3.2), layout="constrained")
-        top = max(int(np.flatnonzero((np.array([r[2] for r in record]) != -1).any(0)).max()) + 1, 1)
-        plot_pool(np.array([r[2][:top] for r in record]), ax,
-                  title=f"beam width {width}: {1 - used / unshared:.0%} of blocks saved by "
-                        f"sharing, {kv.copies} copies, {kv.corrupted} corrupted tokens")
-        plt.show()
 
-    return w.interactive(draw, width=w.IntSlider(value=4, min=1, max=8, description="beam width"))
+def explore_beam(**fixed):
+    """Sliders for the beam width and the prompt length over :func:`beam_pool_figure` (live
+    kernel)."""
+    import ipywidgets as w
+    return w.interactive(
+        lambda width, prompt: beam_pool_figure(width, prompt=prompt, **fixed)[0],
+        {"auto_display": True},
+        width=w.IntSlider(value=6, min=1, max=8, description="beam width"),
+        prompt=w.IntSlider(value=10, min=1, max=40, description="prompt"))
