@@ -376,6 +376,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="*")
     ap.add_argument("--staircase", action="store_true", help="also time chapter 9's steps")
     ap.add_argument("--no-peers", action="store_true", help="time our kernels only")
+    ap.add_argument("--no-flashinfer", action="store_true", help="peers without FlashInfer")
     args = ap.parse_args(argv)
     if not backend.on_gpu:
         print(f"no usable GPU ({backend.reason}): nothing to time")
@@ -384,6 +385,8 @@ def main(argv=None):
     spec = json.loads(pathlib.Path(args.shapes).read_text())
     dtypes = args.dtypes or spec["dtype"]
     peers, notes = ({}, {"peers": "not run (--no-peers)"}) if args.no_peers else load_peers()
+    if args.no_flashinfer and peers.pop("flashinfer", None) is not None:
+        notes["flashinfer"] = "not run (--no-flashinfer)"
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python -m pagedkv.bench.kernels " + " ".join(argv or sys.argv[1:]),
                 **backend.describe(), nvrtc_target=nvrtc_target(), peers=notes,

@@ -188,6 +188,10 @@ def decode_plan(q, cache, block_tables, *, num_splits=None, tensor_cores=None,
     chunks) for CUDA cores, (warps, stages) for tensor cores.
     """
     kv_dtype = check_decode(q, cache, block_tables, np.zeros(q.shape[0], np.int32))
+    return _choose(q, cache, block_tables, kv_dtype, num_splits, tensor_cores, config)
+
+
+def _choose(q, cache, block_tables, kv_dtype, num_splits, tensor_cores, config=None):
     if num_splits is not None and int(num_splits) < 1:
         raise ConfigError(f"num_splits must be ≥ 1, got {num_splits}")
     group = q.shape[1] // cache.shape[3]
@@ -275,12 +279,11 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, *, scale=None, out=
     Positions past a sequence's length are never used, whatever the pool holds there.
     """
     kv_dtype = check_decode(q, cache, block_tables, seq_lens, out)
+    if is_cupy(cache):
+        plan = _choose(q, cache, block_tables, kv_dtype, num_splits, tensor_cores)
+        return plan.run(q, cache, block_tables, seq_lens, out, scale)
     if num_splits is not None and int(num_splits) < 1:
         raise ConfigError(f"num_splits must be ≥ 1, got {num_splits}")
-    if is_cupy(cache):
-        plan = decode_plan(q, cache, block_tables, num_splits=num_splits,
-                           tensor_cores=tensor_cores)
-        return plan.run(q, cache, block_tables, seq_lens, out, scale)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     res = decode_numpy(q, cache, np.asarray(block_tables), np.asarray(seq_lens), scale,
                        int(num_splits or 1), kv_dtype)
