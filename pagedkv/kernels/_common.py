@@ -204,7 +204,11 @@ def fn_attr(fn, name: str, default: int) -> int:
 
 def allow_dynamic_smem(fn, nbytes: int) -> None:
     """Let ``fn`` use ``nbytes`` of dynamic shared memory (above 48 KiB a kernel must ask)."""
-    if nbytes > 48 * 1024:
+    if nbytes <= 48 * 1024:
+        return
+    try:                      # CuPy's RawKernel (what RawModule.get_function returns)
+        fn.max_dynamic_shared_size_bytes = int(nbytes)
+    except AttributeError:    # a bare cupy.cuda.Function
         from cupy_backends.cuda.api import driver
         driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                 int(nbytes))
