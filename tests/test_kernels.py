@@ -217,8 +217,8 @@ def test_write_kv_slot_rule_on_numpy():
 
 
 def test_tensor_cores_chosen_for_large_groups_of_half_precision():
-    assert [uses_tensor_cores("float16", g) for g in range(1, 9)] == [False] * 3 + [True] * 5
-    assert [uses_tensor_cores("bfloat16", g) for g in range(1, 9)] == [False] * 3 + [True] * 5
+    assert [uses_tensor_cores("float16", g) for g in range(1, 9)] == [False] * 4 + [True] * 4
+    assert [uses_tensor_cores("bfloat16", g) for g in range(1, 9)] == [False] * 4 + [True] * 4
     assert not any(uses_tensor_cores("float32", g) for g in range(1, 9))
 
 
@@ -328,8 +328,8 @@ def test_gpu_decode_mixed_lengths_1_to_8192():
 @gpu
 def test_gpu_automatic_choice_of_kernel():
     rng = rng_for(2900)
-    for dtype, group, path in [("float16", 8, "tensor-cores"), ("bfloat16", 4, "tensor-cores"),
-                               ("float16", 2, "cuda-cores"), ("float32", 8, "cuda-cores")]:
+    for dtype, group, path in [("float16", 8, "tensor-cores"), ("bfloat16", 5, "tensor-cores"),
+                               ("float16", 4, "cuda-cores"), ("float32", 8, "cuda-cores")]:
         _, dev = _gpu_case(rng, [5, 9], 2 * group, 2, 64, 16, dtype)
         assert decode_plan(dev[0], dev[1], dev[2]).path == path, (dtype, group)
     with pytest.raises(ConfigError):

@@ -231,6 +231,8 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
         if q_heads // kv_heads not in (1, 2, 3, 4, 8):
             ok, fi_note = probe_flashinfer(q_heads, kv_heads, dtype)
             log(f"    FlashInfer probe {q_heads}/{kv_heads} {dtype}: {ok} ({fi_note})")
+            rows.append(dict(impl="flashinfer.probe", **base, ran_tensor_cores=ok[True],
+                             ran_cuda_cores=ok[False], note=fi_note))
         for tc in (False, True):
             name = "flashinfer.tc" if tc else "flashinfer.cuda"
             if not ok[tc]:
