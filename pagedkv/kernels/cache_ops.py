@@ -135,15 +135,16 @@ def write_kv_ref(cache, k, v, slot_mapping):
 
 
 def write_kv(cache, k, v, slot_mapping, *, validate=True):
-    """Write ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` into ``cache`` at ``slot_mapping``.
+    """Write ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` into ``cache`` at the slots.
 
-    Negative slots are padding and are skipped; a slot ≥ ``num_blocks * block_size`` raises
-    :class:`ConfigError` before anything is written. Works on NumPy arrays (the reference) and
-    on CuPy arrays (one kernel launch). On the GPU the slot mapping may be a NumPy array (the
-    manager's plans are: it is checked on the host, then uploaded) or a CuPy array (checked on
-    the device, which costs one synchronisation). ``validate=False`` (GPU only) skips that
-    check, for slots a manager plan produced or to time the kernel alone: the kernel then
-    skips a slot past the end instead of raising. Returns ``cache``, modified in place.
+    Negative slots are padding and are skipped; a slot ≥ ``num_blocks * block_size``
+    raises :class:`ConfigError` before anything is written. Works on NumPy arrays (the
+    reference) and on CuPy arrays (one kernel launch). On the GPU the slot mapping may be
+    a NumPy array (the manager's plans are: it is checked on the host, then uploaded) or
+    a CuPy array (checked on the device, which costs one synchronisation).
+    ``validate=False`` (GPU only) skips that check, for slots a manager plan produced or
+    to time the kernel alone: the kernel then skips a slot past the end instead of
+    raising. Returns ``cache``, modified in place.
     """
     if not is_cupy(cache):
         return write_kv_ref(cache, k, v, slot_mapping)
@@ -163,8 +164,8 @@ def write_kv(cache, k, v, slot_mapping, *, validate=True):
     threads = 256
     fn = kernel(CACHE_OPS_SOURCE, f"write_kv<{ctype}>")
     fn(((total + threads - 1) // threads,), (threads,),
-       (k, v, slot_mapping, cache, np.int64(total), np.int32(row_vecs), np.int32(cache.shape[2]),
-        np.int64(cache.shape[0] * cache.shape[2])))
+       (k, v, slot_mapping, cache, np.int64(total), np.int32(row_vecs),
+        np.int32(cache.shape[2]), np.int64(cache.shape[0] * cache.shape[2])))
     return cache
 
 

@@ -25,7 +25,7 @@ __all__ = ["gather_kv", "dense_attention", "paged_decode_attention_ref", "decode
 
 
 def gather_kv(cache, block_table, seq_len):
-    """Copy one sequence's K and V out of its blocks into contiguous ``[seq_len, kv_heads, D]``."""
+    """One sequence's K and V copied out of its blocks: ``[seq_len, kv_heads, D]`` each."""
     block_size = cache.shape[2]
     n = -(-int(seq_len) // block_size)                  # blocks in use (ceiling division)
     blocks = np.asarray(block_table[:n])
@@ -35,7 +35,7 @@ def gather_kv(cache, block_table, seq_len):
 
 
 def dense_attention(q, k, v, scale=None):
-    """Ordinary softmax attention of one token: q ``[q_heads, D]``, k/v ``[L, kv_heads, D]``."""
+    """Softmax attention of one token: q ``[q_heads, D]``, k/v ``[L, kv_heads, D]``."""
     q_heads, d = q.shape
     group = q_heads // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -77,31 +77,33 @@ def paged_decode_attention_ref(q, cache, block_tables, seq_lens, *, scale=None):
 
 
 def decode_numpy(q, cache, block_tables, seq_lens, scale, num_splits, kv_dtype):
-    """The kernel's algorithm in float32 NumPy; returns float32 ``[batch, q_heads, head_dim]``.
+    """The kernel's algorithm in float32 NumPy; returns float32 ``[batch, q_heads, D]``.
 
-    Page ``j`` of every sequence is read in one step; the pages are cut into ``num_splits``
-    contiguous runs, each with its own online softmax (running max ``m``, sum ``l``, weighted
-    sum ``acc``), merged at the end. Positions past a sequence's end read block 0 (any block
-    would do) and are then zeroed and masked, so junk there never reaches the result.
+    Page ``j`` of every sequence is read in one step; the pages are cut into
+    ``num_splits`` contiguous runs, each with its own online softmax (running max ``m``,
+    sum ``l``, weighted sum ``acc``), merged at the end. Positions past a sequence's end
+    read block 0 (any block would do) and are then zeroed and masked, so junk there never
+    reaches the result.
     """
     check_lengths(cache, block_tables, seq_lens)
     num_blocks, _, bs, kv_heads, d = cache.shape
     batch, q_heads, _ = q.shape
     group = q_heads // kv_heads
     max_blocks = block_tables.shape[1]
-    qf = as_float(q, kv_dtype).astype(np.float32).reshape(batch, kv_heads, group, d) * scale
+    qf = as_float(q, kv_dtype).astype(np.float32).reshape(batch, kv_heads, group, d)
+    qf = qf * scale
     pages_per_split = -(-max_blocks // num_splits)
     m = np.full((num_splits, batch, kv_heads, group), -np.inf, np.float32)
     l = np.zeros_like(m)
     acc = np.zeros((num_splits, batch, kv_heads, group, d), np.float32)
-    for j in range(max_blocks):                          # page j of every sequence at once
+    for j in range(max_blocks):                      # page j of every sequence at once
         si = j // pages_per_split
         pos = j * bs + np.arange(bs)                     # token positions of page j
         valid = pos[None, :] < seq_lens[:, None]         # [batch, bs]
         if not valid.any():
             continue
         blk = np.where(valid[:, 0], block_tables[:, j], 0)
-        keep = valid[:, :, None, None]                   # zero what is not ours: 0 * NaN = NaN
+        keep = valid[:, :, None, None]               # zero what is not ours: 0 * NaN = NaN
         k = np.where(keep, as_float(cache[blk, 0], kv_dtype), 0).astype(np.float32)
         v = np.where(keep, as_float(cache[blk, 1], kv_dtype), 0).astype(np.float32)
         s = np.einsum("bhgd,bthd->bhgt", qf, k)          # [batch, kv_heads, group, bs]

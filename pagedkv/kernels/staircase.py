@@ -69,7 +69,7 @@ def _rows(cache, table, n, kv, h, kv_dtype):
 
 
 def step1_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype):
-    """Step 1: one (sequence, query head) at a time — a GPU thread each — in two passes."""
+    """Step 1: one (sequence, query head) at a time (a GPU thread each), two passes."""
     batch, q_heads, d = q.shape
     group = q_heads // cache.shape[3]
     out = np.zeros((batch, q_heads, d), np.float32)
@@ -85,18 +85,20 @@ def step1_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype):
 
 
 def step2_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype):
-    """Step 2: the same two passes, seen by a warp: a row is ``head_dim / 8`` chunks of 8
-    numbers, one per thread; each thread's partial dot product, then their sum (the shuffle
-    butterfly)."""
+    """Step 2: the same two passes, seen by a warp: a row is ``head_dim / 8`` chunks of
+    8 numbers, one per thread; each thread's partial dot product, then their sum (the
+    shuffle butterfly)."""
     batch, q_heads, d = q.shape
     group = q_heads // cache.shape[3]
     out = np.zeros((batch, q_heads, d), np.float32)
     for b in range(batch):
         n = seq_lens[b]
         for qh in range(q_heads):
-            k = _rows(cache, block_tables[b], n, 0, qh // group, kv_dtype).reshape(n, d // 8, 8)
+            k = _rows(cache, block_tables[b], n, 0, qh // group, kv_dtype)
             v = _rows(cache, block_tables[b], n, 1, qh // group, kv_dtype)
-            qc = as_float(q[b, qh], kv_dtype).astype(np.float32).reshape(d // 8, 8) * scale
+            k = k.reshape(n, d // 8, 8)                  # thread c holds chunk c of a row
+            qc = as_float(q[b, qh], kv_dtype).astype(np.float32).reshape(d // 8, 8)
+            qc = qc * scale
             partial = (k * qc).sum(axis=-1)              # [tokens, threads of a row]
             s = partial.sum(axis=-1)                     # the butterfly
             p = np.exp(s - s.max(initial=-1e30))
@@ -149,7 +151,8 @@ def _attend_range(qg, k, v, t_begin, t_end, trip):
     states = []
     for w in range(NWARPS):
         m = np.full(len(qg), -1e30, np.float32)
-        l, acc = np.zeros(len(qg), np.float32), np.zeros((len(qg), v.shape[1]), np.float32)
+        l = np.zeros(len(qg), np.float32)
+        acc = np.zeros((len(qg), v.shape[1]), np.float32)
         for t0 in range(t_begin + w * trip, t_end, NWARPS * trip):
             t1 = min(t0 + trip, t_end)
             s = qg @ k[t0:t1].T                          # [heads, tokens]: K read once
@@ -159,12 +162,12 @@ def _attend_range(qg, k, v, t_begin, t_end, trip):
             acc = acc * corr[:, None] + p @ v[t0:t1]
             m = m_new
         states.append((m, l, acc))
-    return _merge(states)                                # (normalised result, natural lse)
+    return _merge(states)                            # (normalised result, natural lse)
 
 
 def step4_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype, num_splits=1):
-    """Step 4: one (sequence, kv head) — a CTA — at a time, all its query heads together.
-    With ``num_splits`` > 1 this is step 5: each piece of the sequence separately, then merged."""
+    """Step 4: one (sequence, kv head), a CTA, at a time: all its query heads together.
+    With ``num_splits`` > 1 this is step 5: each piece of the sequence, then merged."""
     batch, q_heads, d = q.shape
     kv_heads, bs = cache.shape[3], cache.shape[2]
     group, trip = q_heads // kv_heads, 32 // (d // 8)
@@ -175,12 +178,13 @@ def step4_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype, num_splits=1
         for h in range(kv_heads):
             k = _rows(cache, block_tables[b], n, 0, h, kv_dtype)
             v = _rows(cache, block_tables[b], n, 1, h, kv_dtype)
-            qg = as_float(q[b, h * group:(h + 1) * group], kv_dtype).astype(np.float32) * scale
+            heads = slice(h * group, (h + 1) * group)
+            qg = as_float(q[b, heads], kv_dtype).astype(np.float32) * scale
             parts = [_attend_range(qg, k, v, t, min(n, t + split_tokens), trip)
                      for t in range(0, max(n, 1), split_tokens)]
             res, lse = (parts[0] if len(parts) == 1 else        # step 5: weigh by e^lse
                         _merge([(lse, np.ones_like(lse), r) for r, lse in parts]))
-            out[b, h * group:(h + 1) * group] = res
+            out[b, heads] = res
     return out
 
 
@@ -190,8 +194,9 @@ def step5_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype, num_splits=3
 
 
 def step7_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype):
-    """Step 7 (tensor cores): tiles of 16 tokens; S = Q K^T accumulated in float32, the weights
-    P rounded to the storage dtype (what the tensor cores take) before O += P V."""
+    """Step 7 (tensor cores): tiles of 16 tokens; S = Q K^T accumulated in float32,
+    the weights P rounded to the storage dtype (as the tensor cores take them) before
+    O += P V."""
     batch, q_heads, d = q.shape
     kv_heads = cache.shape[3]
     group = q_heads // kv_heads
@@ -211,7 +216,7 @@ def step7_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype):
                     m_new = np.maximum(m, s.max(axis=1))
                     corr, p = np.exp(m - m_new), np.exp(s - m_new[:, None])
                     l = l * corr + p.sum(axis=1)
-                    p16 = to_dtype(p, kv_dtype, p).astype(np.float32)   # rounded for the mma
+                    p16 = to_dtype(p, kv_dtype, p).astype(np.float32)  # as the mma takes
                     acc = acc * corr[:, None] + p16 @ v[t0:t0 + 16]
                     m = m_new
                 states.append((m, l, acc))
