@@ -2,22 +2,23 @@
 
 Every case draws fresh random data from a fixed seed that is printed (pytest shows it on failure);
 pages are scattered by a random permutation of block ids; outputs are NaN-poisoned before a run
-and must come back fully written.
+and must come back fully written. The staircase kernels of chapter 9 have their own file,
+tests/test_staircase.py.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from _attn_cases import (DTYPES, TOL, host, make_case, poisoned_like, rel_err, rng_for,
+                         to_gpu)
 from pagedkv import backend
 from pagedkv.errors import ConfigError
-from pagedkv.kernels import (copy_blocks, dense_attention, copy_blocks_ref, gather_kv,
-                             paged_decode_attention, paged_decode_attention_ref, write_kv,
-                             write_kv_ref)
+from pagedkv.kernels import (copy_blocks, copy_blocks_ref, decode_plan, dense_attention,
+                             gather_kv, paged_decode_attention, paged_decode_attention_ref,
+                             write_kv, write_kv_ref)
 from pagedkv.kernels._common import BF16, to_device
-
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": BF16}
-TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}
+from pagedkv.kernels.attention import uses_tensor_cores
 
 
 @pytest.fixture(autouse=True)
@@ -26,35 +27,9 @@ def _bfloat16_needs_ml_dtypes(request):
     spec = getattr(request.node, "callspec", None)
     if BF16 is None and spec and "bfloat16" in map(str, spec.params.values()):
         pytest.skip("bfloat16 cases need ml_dtypes, which is not installed")
+
+
 gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no usable GPU: {backend.reason}")
-
-
-def rng_for(seed):
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
-def make_case(rng, lens, q_heads, kv_heads, head_dim, block_size, dtype, spare_blocks=5):
-    """q, cache, block_tables, seq_lens with each sequence's pages at random places in the pool."""
-    dt = DTYPES[dtype]
-    lens = np.asarray(lens, np.int32)
-    per_seq = -(-lens // block_size)
-    max_blocks = max(1, int(per_seq.max()))
-    num_blocks = int(per_seq.sum()) + spare_blocks
-    cache = rng.standard_normal((num_blocks, 2, block_size, kv_heads, head_dim)).astype(dt)
-    perm = rng.permutation(num_blocks).astype(np.int32)
-    tables = rng.integers(-7, 10**6, (len(lens), max_blocks)).astype(np.int32)  # padding: junk
-    start = 0
-    for b, n in enumerate(per_seq):
-        tables[b, :n] = perm[start:start + n]
-        start += n
-    q = rng.standard_normal((len(lens), q_heads, head_dim)).astype(dt)
-    return q, cache, tables, lens
-
-
-def rel_err(out, ref):
-    out = np.asarray(out, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 # ------------------------------------------------------------------ NumPy paths (CI)
@@ -184,63 +159,206 @@ def test_bad_inputs_raise_config_error():
             pytest.fail(f"bad call {i} raised nothing")
 
 
+JUNK = [np.nan, np.inf, -np.inf]
+
+
+@pytest.mark.parametrize("junk", JUNK, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_numpy_decode_ignores_junk_in_unwritten_slots(junk, dtype):
+    # A pool is not cleared: the tail of a last block and the pages past a shorter row's end
+    # (read from block 0 by the NumPy path) may hold NaN or Inf. They must contribute nothing.
+    rng = rng_for(150 + JUNK.index(junk) + 10 * len(dtype))
+    for group, bs in [(1, 16), (4, 8), (8, 32)]:
+        q, cache, tables, lens = make_case(rng, [1, 5, 17, 40, 2 * bs + 3], 2 * group, 2, 64,
+                                           bs, dtype, junk=junk)
+        assert not np.isfinite(cache.astype(np.float32)).all()     # the junk is really there
+        ref = paged_decode_attention_ref(q, cache, tables, lens)
+        assert np.isfinite(ref).all()
+        for splits in (1, 3):
+            out = paged_decode_attention(q, cache, tables, lens, num_splits=splits)
+            got = host(out)
+            assert np.isfinite(got).all(), (group, bs, splits)
+            assert rel_err(got, ref) < TOL[dtype], (group, bs, splits)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_numpy_lengths_that_fill_their_last_block(block_size):
+    # Lengths bs, 2 bs, 3 bs end exactly on a block boundary; the longest row fills its
+    # block table exactly. Checked against the reference and against gather + dense attention.
+    bs = block_size
+    rng = rng_for(160 + bs)
+    for lens in ([bs, 2 * bs, 3 * bs], [3 * bs, 3 * bs], [1, bs, 3 * bs - 1, 3 * bs]):
+        q, cache, tables, lens = make_case(rng, lens, 8, 2, 64, bs, "float32", junk=np.nan)
+        assert tables.shape[1] * bs == lens.max()                  # a full table
+        ref = paged_decode_attention_ref(q, cache, tables, lens)
+        for b in range(len(lens)):
+            naive = dense_attention(q[b], *gather_kv(cache, tables[b], lens[b]))
+            assert rel_err(naive, ref[b]) < 1e-5
+        for splits in (1, 2, 3):
+            got = paged_decode_attention(q, cache, tables, lens, num_splits=splits)
+            assert rel_err(got, ref) < TOL["float32"], (lens.tolist(), splits)
+
+
+def test_write_kv_slot_rule_on_numpy():
+    # Negative slots are padding (skipped, whatever the value); a slot past the cache raises
+    # ConfigError and writes nothing, even when the other slots are fine.
+    rng = rng_for(170)
+    cache = rng.standard_normal((3, 2, 4, 1, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((4, 1, 8)).astype(np.float32) for _ in range(2))
+    before = cache.copy()
+    write_kv(cache, k, v, np.array([-1, -2, -1000, 11], np.int32))
+    expect = before.copy()
+    expect[2, 0, 3], expect[2, 1, 3] = k[3], v[3]
+    np.testing.assert_array_equal(cache, expect)
+    for bad in (12, 10**6):
+        with pytest.raises(ConfigError, match="past the cache"):
+            write_kv(cache, k, v, np.array([0, 1, bad, 2], np.int32))
+        np.testing.assert_array_equal(cache, expect)
+
+
+def test_tensor_cores_chosen_for_large_groups_of_half_precision():
+    assert [uses_tensor_cores("float16", g) for g in range(1, 9)] == [False] * 4 + [True] * 4
+    assert [uses_tensor_cores("bfloat16", g) for g in range(1, 9)] == [False] * 4 + [True] * 4
+    assert not any(uses_tensor_cores("float32", g) for g in range(1, 9))
+
+
 # ------------------------------------------------------------------ CuPy kernels (GPU)
 
-def _gpu_case(rng, lens, q_heads, kv_heads, head_dim, block_size, dtype):
-    q, cache, tables, lens = make_case(rng, lens, q_heads, kv_heads, head_dim, block_size, dtype)
-    return (q, cache, tables, lens), (to_device(q), to_device(cache), to_device(tables),
-                                      to_device(lens))
-
-
-def _poisoned_like(dq):
-    cp = backend.xp
-    out = cp.empty_like(dq)
-    if out.dtype == np.uint16:
-        out.fill(0x7FC0)                                 # a bf16 NaN's bits
-    else:
-        out.fill(np.nan)
-    return out
-
-
-def _host(a, dtype):
-    a = backend.to_numpy(a)
-    return a.view(BF16) if a.dtype == np.uint16 else a
+def _gpu_case(rng, lens, q_heads, kv_heads, head_dim, block_size, dtype, **kw):
+    host_case = make_case(rng, lens, q_heads, kv_heads, head_dim, block_size, dtype, **kw)
+    return host_case, to_gpu(host_case)
 
 
 GPU_ATTN_CASES = (
     [(dt, d, 4, 16) for dt in DTYPES for d in (64, 128, 256)]
     + [(dt, 128, 4, bs) for dt in DTYPES for bs in (8, 32)]
     + [(dt, 128, g, 16) for dt in DTYPES for g in (1, 2, 3, 8)]
-    + [("float16", 256, 8, 8), ("bfloat16", 64, 1, 32), ("float32", 256, 2, 32)]
+    + [("float16", 256, 8, 8), ("bfloat16", 64, 1, 32), ("float32", 256, 2, 32),
+       ("bfloat16", 256, 8, 32), ("float16", 64, 8, 8)]
 )
+PATHS = {"cuda-cores": False, "tensor-cores": True}
+
+
+def _paths(dtype):
+    return ["cuda-cores"] if dtype == "float32" else list(PATHS)
 
 
 @gpu
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype,head_dim,group,block_size", GPU_ATTN_CASES)
-def test_gpu_decode_matches_reference(dtype, head_dim, group, block_size):
+def test_gpu_decode_matches_reference(dtype, head_dim, group, block_size, path):
+    if path not in _paths(dtype):
+        pytest.skip("tensor cores take float16 and bfloat16")
     seed = 2000 + head_dim * 7 + group * 13 + block_size + 100 * len(dtype)
     rng = rng_for(seed)
     kv_heads = 2
-    host, dev = _gpu_case(rng, [1, 17, 97, 4097, 3 * block_size + 1], group * kv_heads,
-                          kv_heads, head_dim, block_size, dtype)
-    ref = paged_decode_attention_ref(*host)
+    host_case, dev = _gpu_case(rng, [1, 17, 97, 4097, 3 * block_size + 1, 2 * block_size],
+                               group * kv_heads, kv_heads, head_dim, block_size, dtype)
+    ref = paged_decode_attention_ref(*host_case)
     for splits in (None, 1, 4):
-        out = _poisoned_like(dev[0])
-        res = paged_decode_attention(*dev, out=out, num_splits=splits)
+        out = poisoned_like(dev[0])
+        res = paged_decode_attention(*dev, out=out, num_splits=splits,
+                                     tensor_cores=PATHS[path])
         assert res is out
-        got = _host(out, dtype).astype(np.float64)
+        got = host(out)
         assert np.isfinite(got).all(), f"unwritten or NaN output (splits={splits})"
         assert rel_err(got, ref) < TOL[dtype], (splits, rel_err(got, ref))
 
 
 @gpu
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group", range(1, 9))
+def test_gpu_every_group_on_both_paths(group, dtype, path):
+    # Groups 1-8, 5 and 7 included (FlashInfer 0.2.14's plan crashes on some of these).
+    rng = rng_for(2500 + 10 * group + len(dtype) + 3 * len(path))
+    host_case, dev = _gpu_case(rng, [1, 15, 16, 33, 64, 1000, 2048], 3 * group, 3, 128, 16,
+                               dtype)
+    ref = paged_decode_attention_ref(*host_case)
+    for splits in (None, 1, 3):
+        out = poisoned_like(dev[0])
+        paged_decode_attention(*dev, out=out, num_splits=splits, tensor_cores=PATHS[path])
+        got = host(out)
+        assert np.isfinite(got).all() and rel_err(got, ref) < TOL[dtype], (splits,)
+
+
+@gpu
+@pytest.mark.parametrize("junk", JUNK, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype,group,block_size",
+                         [("float16", 8, 16), ("bfloat16", 4, 8), ("float32", 2, 32),
+                          ("bfloat16", 1, 16), ("float16", 5, 32)])
+def test_gpu_decode_ignores_junk_in_unwritten_slots(junk, dtype, group, block_size):
+    rng = rng_for(2600 + JUNK.index(junk) + group + block_size)
+    host_case, dev = _gpu_case(rng, [1, 5, 17, 40, 3 * block_size, 2 * block_size + 3],
+                               2 * group, 2, 128, block_size, dtype, junk=junk)
+    ref = paged_decode_attention_ref(*host_case)
+    for path in _paths(dtype):
+        for splits in (None, 1, 3):
+            got = host(paged_decode_attention(*dev, num_splits=splits, tensor_cores=PATHS[path]))
+            assert np.isfinite(got).all(), (path, splits)
+            assert rel_err(got, ref) < TOL[dtype], (path, splits)
+
+
+@gpu
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_gpu_lengths_that_fill_their_last_block(block_size):
+    bs = block_size
+    rng = rng_for(2700 + bs)
+    for lens in ([bs, 2 * bs, 3 * bs], [3 * bs, 3 * bs], [1, bs, 3 * bs - 1, 3 * bs]):
+        host_case, dev = _gpu_case(rng, lens, 16, 2, 128, bs, "float16", junk=np.nan)
+        ref = paged_decode_attention_ref(*host_case)
+        for path in PATHS:
+            for splits in (None, 1, 2, 3):
+                got = host(paged_decode_attention(*dev, num_splits=splits,
+                                                  tensor_cores=PATHS[path]))
+                assert rel_err(got, ref) < TOL["float16"], (lens, path, splits)
+
+
+@gpu
+def test_gpu_decode_mixed_lengths_1_to_8192():
+    rng = rng_for(2800)
+    lens = np.concatenate([[1, 8192, 16, 4096], rng.integers(1, 8193, 20)])
+    host_case, dev = _gpu_case(rng, lens, 64, 8, 128, 16, "bfloat16", spare_blocks=0)
+    ref = paged_decode_attention_ref(*host_case)
+    for path in PATHS:
+        got = host(paged_decode_attention(*dev, tensor_cores=PATHS[path]))
+        assert np.isfinite(got).all() and rel_err(got, ref) < TOL["bfloat16"], path
+
+
+@gpu
+def test_gpu_automatic_choice_of_kernel():
+    rng = rng_for(2900)
+    for dtype, group, path in [("float16", 8, "tensor-cores"), ("bfloat16", 5, "tensor-cores"),
+                               ("float16", 4, "cuda-cores"), ("float32", 8, "cuda-cores")]:
+        _, dev = _gpu_case(rng, [5, 9], 2 * group, 2, 64, 16, dtype)
+        assert decode_plan(dev[0], dev[1], dev[2]).path == path, (dtype, group)
+    with pytest.raises(ConfigError):
+        decode_plan(dev[0], dev[1], dev[2], tensor_cores=True)    # float32
+
+
+@gpu
+@pytest.mark.parametrize("config", [(4, 2), (2, 3), (8, 2), (4, 4), (1, 2)])
+def test_gpu_tensor_core_launch_configs(config):
+    # (warps per CTA, ring stages per warp)
+    rng = rng_for(2950 + sum(config))
+    host_case, dev = _gpu_case(rng, [1, 17, 97, 2049, 33], 32, 4, 128, 16, "bfloat16")
+    ref = paged_decode_attention_ref(*host_case)
+    for splits in (1, 3):
+        out = poisoned_like(dev[0])
+        decode_plan(dev[0], dev[1], dev[2], num_splits=splits, tensor_cores=True,
+                    config=config).run(*dev, out=out)
+        got = host(out)
+        assert np.isfinite(got).all() and rel_err(got, ref) < TOL["bfloat16"], (config, splits)
+
+
+@gpu
 def test_gpu_decode_many_splits_and_big_batch():
     rng = rng_for(3001)
-    host, dev = _gpu_case(rng, list(rng.integers(1, 700, 40)), 32, 8, 128, 16, "bfloat16")
-    ref = paged_decode_attention_ref(*host)
+    host_case, dev = _gpu_case(rng, list(rng.integers(1, 700, 40)), 32, 8, 128, 16, "bfloat16")
+    ref = paged_decode_attention_ref(*host_case)
     for splits in (None, 2, 7, 40):
-        got = _host(paged_decode_attention(*dev, num_splits=splits), "bfloat16")
-        assert rel_err(got.astype(np.float64), ref) < TOL["bfloat16"], splits
+        got = host(paged_decode_attention(*dev, num_splits=splits))
+        assert rel_err(got, ref) < TOL["bfloat16"], splits
 
 
 @gpu
@@ -248,14 +366,15 @@ def test_gpu_decode_many_splits_and_big_batch():
                                     (4, 1, 6, 0), (8, 1, 2, 2)])
 def test_gpu_decode_other_launch_configs(config):
     # (warps, tokens per tile, ring stages, chunks per thread): the benchmark's sweep tries these
-    from pagedkv.kernels import attention as attn_mod
     rng = rng_for(3050 + sum(config))
-    host, dev = _gpu_case(rng, [1, 17, 97, 2049, 33], 16, 4, 128, 16, "float16")
-    ref = paged_decode_attention_ref(*host)
+    host_case, dev = _gpu_case(rng, [1, 17, 97, 2049, 33], 16, 4, 128, 16, "float16")
+    ref = paged_decode_attention_ref(*host_case)
     for splits in (1, 3):
-        out = _poisoned_like(dev[0])
-        attn_mod._decode_cupy(*dev, 1 / np.sqrt(128), out, splits, "float16", *config)
-        got = _host(out, "float16").astype(np.float64)
+        out = poisoned_like(dev[0])
+        plan = decode_plan(dev[0], dev[1], dev[2], num_splits=splits, tensor_cores=False,
+                           config=config)
+        plan.run(*dev, out=out)
+        got = host(out)
         assert np.isfinite(got).all() and rel_err(got, ref) < TOL["float16"], (config, splits)
 
 
@@ -271,7 +390,7 @@ def test_gpu_write_kv_matches_reference(dtype):
     dcache = to_device(cache)
     write_kv(dcache, to_device(k), to_device(v), to_device(slots))
     write_kv_ref(cache, k, v, slots)
-    np.testing.assert_array_equal(_host(dcache, dtype).view(np.uint8), cache.view(np.uint8))
+    np.testing.assert_array_equal(backend.to_numpy(dcache).view(np.uint8), cache.view(np.uint8))
 
 
 @gpu
@@ -302,3 +421,21 @@ def test_gpu_copy_blocks_matches_reference():
     copy_blocks(one, np.array([[perm[50], perm[51]]], np.int32))
     copy_blocks_ref(layers[0], np.array([[perm[50], perm[51]]], np.int32))
     np.testing.assert_array_equal(backend.to_numpy(one), layers[0])
+
+
+@gpu
+@pytest.mark.parametrize("slots_on", ["numpy", "cupy"])
+def test_gpu_write_kv_slot_rule(slots_on):
+    # The same rule as on NumPy, whether the slot mapping is on the host or on the device.
+    rng = rng_for(3400)
+    cache = rng.standard_normal((3, 2, 4, 2, 8)).astype(np.float16)
+    k, v = (rng.standard_normal((4, 2, 8)).astype(np.float16) for _ in range(2))
+    put = (lambda a: a) if slots_on == "numpy" else to_device
+    dcache, dk, dv = to_device(cache), to_device(k), to_device(v)
+    write_kv(dcache, dk, dv, put(np.array([-1, -2, -1000, 11], np.int32)))
+    write_kv_ref(cache, k, v, np.array([-1, -2, -1000, 11], np.int32))
+    np.testing.assert_array_equal(backend.to_numpy(dcache), cache)
+    for bad in (12, 10**6):
+        with pytest.raises(ConfigError, match="past the cache"):
+            write_kv(dcache, dk, dv, put(np.array([0, 1, bad, 2], np.int32)))
+        np.testing.assert_array_equal(backend.to_numpy(dcache), cache)

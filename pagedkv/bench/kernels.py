@@ -1,13 +1,15 @@
 """Benchmark of the KV kernels on a GPU: ``python -m pagedkv.bench.kernels [--json PATH]``.
 
 For every shape × dtype of ``bench/decode_shapes.json`` (pages scattered at random) it times, in
-one process: our ``paged_decode_attention``; FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``
-on the very same cache memory (best of use_tensor_cores False/True) when FlashInfer imports;
-PyTorch SDPA on the same K/V gathered contiguous when PyTorch imports; and a 2 GiB
-device-to-device copy as the memory ceiling. Outputs are checked against FlashInfer and against
-the float64 reference (on a few sequences) before anything is timed. Times are medians of CUDA
-event timings after warm-up; bandwidth is K+V bytes read / time in decimal TB/s. It also times
-``write_kv`` and ``copy_blocks`` moving ≥ 256 MB against the copy bandwidth.
+one process: our ``paged_decode_attention`` (the automatic choice, and the other kernel);
+FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` on the very same cache memory, both its
+CUDA-core and its tensor-core path, when FlashInfer imports (a group FlashInfer might crash on
+is first tried in a child process); PyTorch SDPA on the same K/V gathered contiguous when the
+lengths are equal. Outputs are checked against the float64 reference (on two sequences) and the
+peers before anything is timed. Times are medians of CUDA-event timings after warm-up;
+bandwidth is K+V bytes read / time in decimal TB/s. Ceilings: a 2 GiB device-to-device copy
+(bytes read + written) and a read-only kernel over 2 GiB. ``--staircase`` times chapter 9's
+seven steps; ``write_kv`` and ``copy_blocks`` are timed moving 1 GB.
 """
 from __future__ import annotations
 
@@ -24,12 +26,16 @@ import zlib
 import numpy as np
 
 from .. import backend
-from ..kernels import attention as attn
-from ..kernels import copy_blocks, paged_decode_attention, paged_decode_attention_ref, write_kv
-from ..kernels.cache_ops import _copy_blocks_launch
-from ..kernels._common import BF16, fn_attr, nvrtc_target
+from ..kernels import copy_blocks, decode_plan, paged_decode_attention, write_kv
+from ..kernels import paged_decode_attention_ref
+from ..kernels._common import BF16, kernel, nvrtc_target, sm_count
+from ..kernels.staircase import STEPS, run_step
+from .kernel_peers import (FlashInferDecode, load_peers, prebuild_flashinfer, probe_flashinfer,
+                           to_torch)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+RATED_TBPS = 4.8      # the H200's HBM3e bandwidth by NVIDIA's datasheet (the floor's rate)
+TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}
 
 
 # --------------------------------------------------------------------------- timing
@@ -44,16 +50,13 @@ def _events(kind):
 
 
 def time_fn(fn, kind="cupy", warmup=5, reps=30, target_ms=1.0):
-    """Median milliseconds per call of ``fn()``, by CUDA events.
+    """(median ms per call, median ms of single calls bracketed alone), by CUDA events.
 
-    Each of the ``reps`` measurements brackets ``inner`` back-to-back calls (enough for about
-    ``target_ms``), so that the GPU time is measured rather than the Python launch gaps of a
-    short kernel. Returns (median ms per call, median ms of single calls bracketed alone).
+    Each of the ``reps`` measurements brackets enough back-to-back calls to last about
+    ``target_ms``, so the GPU time is measured rather than the launch gaps of a short kernel.
+    Calls over 20 ms get 2 warm-ups and 3 measurements.
     """
     event, sync, elapsed = _events(kind)
-    for _ in range(warmup):
-        fn()
-    sync()
 
     def measure(inner, n):
         out = []
@@ -67,17 +70,15 @@ def time_fn(fn, kind="cupy", warmup=5, reps=30, target_ms=1.0):
             out.append(elapsed(a, b) / inner)
         return statistics.median(out)
 
+    first = measure(1, 1)                                 # also compiles, loads, warms up
+    if first > 20:
+        return measure(1, 3), first
+    for _ in range(warmup):
+        fn()
+    sync()
     single = measure(1, max(5, reps // 3))
     inner = max(1, min(50, math.ceil(target_ms / max(single, 1e-3))))
     return measure(inner, reps), single
-
-
-def time_cupy(fn, warmup=5, reps=30):
-    return time_fn(fn, "cupy", warmup, reps)
-
-
-def time_torch(fn, warmup=5, reps=30):
-    return time_fn(fn, "torch", warmup, reps)
 
 
 def copy_bandwidth(nbytes=2 << 30):
@@ -85,46 +86,72 @@ def copy_bandwidth(nbytes=2 << 30):
     cp = backend.xp
     src = cp.random.randint(0, 255, nbytes, dtype=cp.uint8)
     dst = cp.empty_like(src)
-    ms, _ = time_cupy(lambda: cp.cuda.runtime.memcpyAsync(
+    ms, _ = time_fn(lambda: cp.cuda.runtime.memcpyAsync(
         dst.data.ptr, src.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
         cp.cuda.get_current_stream().ptr), reps=20)
     return 2 * nbytes / (ms * 1e-3), ms
 
 
-# --------------------------------------------------------------------------- problem set-up
+READ_SOURCE = r"""
+// Read every 16-byte chunk of p once and fold it into one word (so the loads stay).
+extern "C" __global__ void read_all(const uint4* p, long long n, unsigned* sink) {
+    unsigned x = 0;
+    #pragma unroll 4
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const uint4 v = p[i];
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (x == 0x9e3779b9u) sink[0] = x;
+}
+"""
 
-def _torch_dtype(name):
-    import torch
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
+def read_bandwidth(nbytes=2 << 30):
+    """Bytes per second of a kernel that only reads ``nbytes`` (no writes): a read ceiling."""
+    cp = backend.xp
+    src = cp.random.randint(0, 255, nbytes, dtype=cp.uint8)
+    sink = cp.zeros(1, cp.uint32)
+    fn = kernel(READ_SOURCE, "read_all")
+    n = np.int64(nbytes // 16)
+    ms, _ = time_fn(lambda: fn((sm_count() * 8,), (512,), (src, n, sink)), reps=20)
+    return nbytes / (ms * 1e-3), ms
+
+
+# --------------------------------------------------------------------------- problems
 
 def _cupy_randn(shape, dtype, rng):
-    """Random normal data of ``dtype`` on the GPU (bf16 as CuPy's dtype or as uint16 bits)."""
+    """Random normal data of ``dtype`` on the GPU (bf16 as uint16 bits)."""
     cp = backend.xp
     x = rng.standard_normal(shape, dtype=cp.float32)
     if dtype == "bfloat16":
-        bits = (x.view(cp.uint32) + 0x8000) >> 16           # round to nearest (ties away)
-        return bits.astype(cp.uint16)
+        return ((x.view(cp.uint32) + 0x8000) >> 16).astype(cp.uint16)   # round to nearest
     return x.astype(dtype)
 
 
-def make_problem(batch, seq_len, q_heads, kv_heads, head_dim, block_size, dtype, seed):
+def shape_lengths(shape, seed):
+    """Each sequence's length: ``seq_len``, or for ``"seq_len": "mixed"`` random lengths from 1
+    to ``max_len`` (the first two are 1 and ``max_len``)."""
+    if shape["seq_len"] != "mixed":
+        return np.full(shape["batch"], shape["seq_len"], np.int32)
+    lens = np.random.default_rng(seed).integers(1, shape["max_len"] + 1, shape["batch"])
+    lens[:2] = 1, shape["max_len"]
+    return lens.astype(np.int32)
+
+
+def make_problem(lens, q_heads, kv_heads, head_dim, block_size, dtype, seed):
+    """q, cache, block tables, lengths on the GPU; every page at a random place in the pool."""
     cp = backend.xp
+    lens = np.asarray(lens, np.int32)
     rng = cp.random.default_rng(seed)
-    per_seq = -(-seq_len // block_size)
-    num_blocks = batch * per_seq
-    cache = _cupy_randn((num_blocks, 2, block_size, kv_heads, head_dim), dtype, rng)
-    perm = np.random.default_rng(seed).permutation(num_blocks).astype(np.int32)
-    tables = cp.asarray(perm.reshape(batch, per_seq))
-    lens = cp.full((batch,), seq_len, cp.int32)
-    q = _cupy_randn((batch, q_heads, head_dim), dtype, rng)
-    return q, cache, tables, lens
-
-
-def to_torch(a, dtype):
-    import torch
-    t = torch.from_dlpack(a)
-    return t.view(torch.bfloat16) if dtype == "bfloat16" and t.dtype == torch.uint16 else t
+    pages = -(-lens // block_size)
+    cache = _cupy_randn((int(pages.sum()), 2, block_size, kv_heads, head_dim), dtype, rng)
+    perm = np.random.default_rng(seed).permutation(int(pages.sum())).astype(np.int32)
+    tables = np.zeros((len(lens), int(pages.max())), np.int32)
+    for b, start in enumerate(np.concatenate([[0], np.cumsum(pages)[:-1]])):
+        tables[b, :pages[b]] = perm[start:start + pages[b]]
+    q = _cupy_randn((len(lens), q_heads, head_dim), dtype, rng)
+    return q, cache, cp.asarray(tables), cp.asarray(lens)
 
 
 def host_float(a):
@@ -139,306 +166,201 @@ def rel_err(x, ref):
 def reference_subset(q, cache, tables, lens, rows):
     """Float64 reference for a few sequences: copy only their blocks to the host."""
     t = backend.to_numpy(tables)[rows]
-    used = np.unique(t)
-    remap = np.searchsorted(used, t).astype(np.int32)
+    n = -(-backend.to_numpy(lens)[rows] // cache.shape[2])
+    used = np.unique(np.concatenate([t[i, :n[i]] for i in range(len(rows))]))
+    remap = np.where(np.arange(t.shape[1])[None, :] < n[:, None],
+                     np.searchsorted(used, t), 0).astype(np.int32)
     sub = backend.to_numpy(cache[backend.xp.asarray(used)])
-    if sub.dtype == np.uint16:
-        sub = sub.view(BF16)
     qh = backend.to_numpy(q)[rows]
-    if qh.dtype == np.uint16:
-        qh = qh.view(BF16)
+    if sub.dtype == np.uint16:
+        sub, qh = sub.view(BF16), qh.view(BF16)
     return paged_decode_attention_ref(qh, sub, remap, backend.to_numpy(lens)[rows])
-
-
-# --------------------------------------------------------------------------- peers
-
-def load_peers():
-    peers, notes = {}, {}
-    try:
-        import torch
-        peers["torch"] = torch
-        notes["torch"] = torch.__version__
-    except Exception as exc:
-        notes["torch"] = f"not importable: {type(exc).__name__}: {exc}"
-    if "torch" in peers:
-        try:
-            import flashinfer
-            peers["flashinfer"] = flashinfer
-            notes["flashinfer"] = getattr(flashinfer, "__version__", "?")
-        except Exception as exc:
-            notes["flashinfer"] = f"not importable: {type(exc).__name__}: {exc}"
-    return peers, notes
-
-
-class FlashInferDecode:
-    """FlashInfer's paged decode over our cache memory (zero-copy through DLPack)."""
-
-    def __init__(self, flashinfer, torch, q, cache, tables, lens, dtype, use_tensor_cores):
-        batch, q_heads, d = q.shape
-        _, _, bs, kv_heads, _ = cache.shape
-        self.q, self.cache = to_torch(q, dtype), to_torch(cache, dtype)
-        t_tables = torch.from_dlpack(tables)
-        t_lens = torch.from_dlpack(lens)
-        pages = (t_lens + bs - 1) // bs
-        indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
-        indptr[1:] = torch.cumsum(pages, 0)
-        cols = torch.arange(t_tables.shape[1], device="cuda")[None, :]
-        indices = t_tables[cols < pages[:, None]].to(torch.int32).contiguous()
-        last = ((t_lens - 1) % bs + 1).to(torch.int32)
-        self.workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        self.w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=use_tensor_cores)
-        tdt = _torch_dtype(dtype)
-        self.w.plan(indptr, indices, last, q_heads, kv_heads, d, bs,
-                    pos_encoding_mode="NONE", q_data_type=tdt, kv_data_type=tdt)
-        self.out = torch.empty_like(self.q)
-
-    def __call__(self):
-        return self.w.run(self.q, self.cache, out=self.out)
 
 
 # --------------------------------------------------------------------------- the runs
 
-#: launch configurations the --sweep option tries: (warps per CTA, tokens per tile, ring stages)
-SWEEP = ((4, 4, 1, 0), (4, 4, 2, 0), (4, 2, 3, 0), (4, 2, 4, 0), (8, 2, 2, 0), (4, 1, 6, 0),
-         (4, 2, 2, 2), (4, 1, 4, 2), (4, 1, 3, 2), (8, 1, 2, 2))
-
-
 def bench_decode(shape, dtype, spec, peers, args, rows, log):
     cp = backend.xp
-    batch, seq_len = shape["batch"], shape["seq_len"]
     q_heads, kv_heads = shape["q_heads"], shape["kv_heads"]
     d, bs = spec["head_dim"], spec["block_size"]
-    item = 4 if dtype == "float32" else 2
-    kv_bytes = 2 * batch * seq_len * kv_heads * d * item
-    seed = zlib.crc32(repr((batch, seq_len, q_heads, kv_heads, dtype)).encode())
-    q, cache, tables, lens = make_problem(batch, seq_len, q_heads, kv_heads, d, bs, dtype, seed)
-    base = dict(dtype=dtype, batch=batch, seq_len=seq_len, q_heads=q_heads, kv_heads=kv_heads,
-                head_dim=d, block_size=bs)
+    seed = zlib.crc32(repr((shape, dtype)).encode())
+    lens = shape_lengths(shape, seed)
+    kv_bytes = 2 * int(lens.sum()) * kv_heads * d * (4 if dtype == "float32" else 2)
+    q, cache, tables, dlens = make_problem(lens, q_heads, kv_heads, d, bs, dtype, seed)
+    base = dict(dtype=dtype, batch=len(lens), seq_len=shape["seq_len"], q_heads=q_heads,
+                kv_heads=kv_heads, head_dim=d, block_size=bs, kv_bytes=kv_bytes,
+                floor_us=round(kv_bytes / RATED_TBPS / 1e6, 2))
 
     def row(impl, ms, **extra):
-        r = dict(impl=impl, **base, us=round(ms * 1e3, 2), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 4),
-                 **extra)
+        r = dict(impl=impl, **base, us=round(ms * 1e3, 2),
+                 tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 4), **extra)
         rows.append(r)
         return r
 
-    # correctness first: poisoned output, reference on two sequences, FlashInfer on all
+    # correctness first: poisoned output, reference on two sequences, for both our kernels
+    pick = [0, len(lens) - 1] if len(lens) > 1 else [0]
+    ref = reference_subset(q, cache, tables, dlens, pick)
     out = cp.empty_like(q)
-    out.fill(0x7FC0 if out.dtype == np.uint16 else np.nan)
-    paged_decode_attention(q, cache, tables, lens, out=out)
-    got = host_float(out)
-    assert np.isfinite(got).all(), "our output has NaN / unwritten entries"
-    pick = [0, batch - 1] if batch > 1 else [0]
-    ref = reference_subset(q, cache, tables, lens, pick)
-    err_ref = rel_err(got[pick], ref)
-    tol = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}[dtype]
-    assert err_ref < tol, f"error vs reference {err_ref:.2e} ≥ {tol}"
-
-    # ours
-    fn, _, _, splits, _ = _plan(q, cache, tables)
-    ms, single = time_cupy(lambda: paged_decode_attention(q, cache, tables, lens, out=out),
-                           reps=args.reps)
-    row("pagedkv", ms, us_single_call=round(single * 1e3, 2), err_vs_ref=err_ref,
-        num_splits=splits, regs=fn_attr(fn, "num_regs", -1),
-        spill_bytes=fn_attr(fn, "local_size_bytes", -1))
-    msg = [f"pagedkv {ms*1e3:8.1f} us (splits {splits}, err {err_ref:.1e})"]
-    # the same launches without the public function's argument checks: the Python share
-    ms_l, _ = time_cupy(lambda: attn._decode_cupy(q, cache, tables, lens, 1 / math.sqrt(d), out,
-                                                  None, dtype), reps=args.reps)
-    row("pagedkv.launch_only", ms_l)
-    msg.append(f"launch only {ms_l*1e3:6.1f} us")
-
-    if args.sweep:   # other launch configurations and split counts, same data
-        best_sweep = None
-        for nw, un, st, ch in SWEEP:
-            for sp in (None, 1, 2, 4, 8, 16, 32):
-                if attn.smem_bytes(dtype, d, nw, un, st, ch) > 48 * 1024:
-                    continue
-                try:
-                    ms2, _ = time_cupy(lambda: attn._decode_cupy(
-                        q, cache, tables, lens, 1 / math.sqrt(d), out, sp, dtype, nw, un, st, ch),
-                        reps=max(10, args.reps // 3))
-                except Exception as exc:
-                    log(f"    sweep {nw}w x{un} {st} stages, splits {sp}: "
-                        f"{type(exc).__name__}: {exc}")
-                    continue
-                r = row("pagedkv.sweep", ms2, nwarps=nw, unroll=un, stages=st, chunks=ch,
-                        splits=sp if sp else "auto")
-                if best_sweep is None or r["us"] < best_sweep["us"]:
-                    best_sweep = r
-        log(f"    sweep best: {best_sweep['nwarps']} warps x{best_sweep['unroll']} "
-            f"{best_sweep['stages']} stages {best_sweep['chunks']} chunks, splits "
-            f"{best_sweep['splits']}: {best_sweep['us']:.1f} us vs default {ms*1e3:.1f} us")
+    paths = [None] if dtype == "float32" else [None, False, True]
+    got, msg = None, []
+    for tc in paths:
+        out.fill(0x7FC0 if out.dtype == np.uint16 else np.nan)
+        plan = decode_plan(q, cache, tables, tensor_cores=tc)
+        paged_decode_attention(q, cache, tables, dlens, out=out, tensor_cores=tc)
+        res = host_float(out)
+        assert np.isfinite(res).all(), f"{plan.path}: NaN or unwritten output"
+        err = rel_err(res[pick], ref)
+        assert err < TOL[dtype], f"{plan.path}: error vs reference {err:.2e} ≥ {TOL[dtype]}"
+        got = res if tc is None else got
+        ms, single = time_fn(lambda: paged_decode_attention(q, cache, tables, dlens, out=out,
+                                                            tensor_cores=tc), reps=args.reps)
+        extra = dict(path=plan.path, num_splits=plan.num_splits, regs=plan.registers,
+                     spill_bytes=plan.spill_bytes, err_vs_ref=err,
+                     us_single_call=round(single * 1e3, 2))
+        row("pagedkv" if tc is None else f"pagedkv.{plan.path}", ms, **extra)
+        msg.append(f"{'auto ' if tc is None else ''}{plan.path} {ms * 1e3:7.1f} us "
+                   f"(splits {plan.num_splits}, err {err:.1e})")
+        if tc is None:   # the same launches without the argument checks: the Python share
+            ms_l, _ = time_fn(lambda: plan.run(q, cache, tables, dlens, out), reps=args.reps)
+            row("pagedkv.launch_only", ms_l, path=plan.path)
 
     torch = peers.get("torch")
-    if "flashinfer" in peers:
-        best = None
+    fi_best, fi_note = None, ""
+    if "flashinfer" in peers and dtype != "float32":
+        ok = {True: True, False: True}
+        if q_heads // kv_heads not in (1, 2, 3, 4, 8):
+            ok, fi_note = probe_flashinfer(q_heads, kv_heads, dtype)
+            log(f"    FlashInfer probe {q_heads}/{kv_heads} {dtype}: {ok} ({fi_note})")
+            rows.append(dict(impl="flashinfer.probe", **base, ran_tensor_cores=ok[True],
+                             ran_cuda_cores=ok[False], note=fi_note))
         for tc in (False, True):
-            try:
-                fi = FlashInferDecode(peers["flashinfer"], torch, q, cache, tables, lens, dtype, tc)
-                fo = fi()
-                torch.cuda.synchronize()
-                err_fi = rel_err(got, fo.float().cpu().numpy().astype(np.float64))
-                assert err_fi < 2 * tol, f"differs from FlashInfer ({'tc' if tc else 'cc'}) by {err_fi:.2e}"
-                ms_fi, single = time_torch(fi, reps=args.reps)
-                row("flashinfer.tc" if tc else "flashinfer.cuda", ms_fi, err_vs_ours=err_fi,
-                    us_single_call=round(single * 1e3, 2))
-                msg.append(f"fi[{'tc' if tc else 'cc'}] {ms_fi*1e3:8.1f} us (diff {err_fi:.1e})")
-                if best is None or ms_fi < best:
-                    best = ms_fi
-                del fi
-            except AssertionError:
-                raise
-            except Exception as exc:
-                msg.append(f"fi[{tc}] failed: {type(exc).__name__}: {str(exc)[:200]}")
-        if best is not None:
-            row("flashinfer", best)
-    if torch is not None:
-        try:
-            tq = to_torch(q, dtype).reshape(batch, q_heads, 1, d)
-            tc_ = to_torch(cache, dtype)
-            tt = torch.from_dlpack(tables).long()
-            # gather each sequence's pages into contiguous [B, H, L, D] K and V (not timed)
-            kc = tc_[tt, 0].reshape(batch, -1, kv_heads, d)[:, :seq_len].transpose(1, 2).contiguous()
-            vc = tc_[tt, 1].reshape(batch, -1, kv_heads, d)[:, :seq_len].transpose(1, 2).contiguous()
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            kw = {"enable_gqa": True} if q_heads != kv_heads else {}
-            so = sdpa(tq, kc, vc, **kw)
-            err_sdpa = rel_err(got, so.reshape(batch, q_heads, d).float().cpu().numpy())
-            ms_s, single = time_torch(lambda: sdpa(tq, kc, vc, **kw), reps=args.reps)
-            row("sdpa_contiguous", ms_s, err_vs_ours=err_sdpa,
-                us_single_call=round(single * 1e3, 2))
-            msg.append(f"sdpa {ms_s*1e3:8.1f} us")
-        except Exception as exc:
-            msg.append(f"sdpa failed: {type(exc).__name__}: {str(exc)[:200]}")
-    log(f"  {dtype:8s} b{batch:<4d} L{seq_len:<6d} {q_heads}/{kv_heads}: " + " | ".join(msg))
+            name = "flashinfer.tc" if tc else "flashinfer.cuda"
+            if not ok[tc]:
+                msg.append(f"{name} did not run (see probe)")
+                continue
+            fi = FlashInferDecode(peers["flashinfer"], torch, q, cache, tables, dlens, dtype, tc)
+            fo = fi()
+            torch.cuda.synchronize()
+            err_fi = rel_err(got, fo.float().cpu().numpy().astype(np.float64))
+            assert err_fi < 2 * TOL[dtype], f"differs from {name} by {err_fi:.2e}"
+            ms_fi, single = time_fn(fi, "torch", reps=args.reps)
+            r = row(name, ms_fi, err_vs_ours=err_fi, us_single_call=round(single * 1e3, 2))
+            msg.append(f"{name} {ms_fi * 1e3:7.1f} us")
+            if fi_best is None or r["us"] < fi_best["us"]:
+                fi_best = r
+            del fi
+        if fi_best is not None:
+            row("flashinfer", fi_best["us"] / 1e3, path=fi_best["impl"].split(".")[1])
+    if torch is not None and shape["seq_len"] != "mixed":
+        tq = to_torch(q, dtype).reshape(len(lens), q_heads, 1, d)
+        tc_, tt = to_torch(cache, dtype), torch.from_dlpack(tables).long()
+        L = int(lens[0])   # gather each sequence's pages into contiguous [B, H, L, D] (not timed)
+        kc = tc_[tt, 0].reshape(len(lens), -1, kv_heads, d)[:, :L].transpose(1, 2).contiguous()
+        vc = tc_[tt, 1].reshape(len(lens), -1, kv_heads, d)[:, :L].transpose(1, 2).contiguous()
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        kw = {"enable_gqa": True} if q_heads != kv_heads else {}
+        so = sdpa(tq, kc, vc, **kw)
+        err_sdpa = rel_err(got, so.reshape(len(lens), q_heads, d).float().cpu().numpy())
+        assert err_sdpa < 2 * TOL[dtype], f"differs from SDPA by {err_sdpa:.2e}"
+        ms_s, single = time_fn(lambda: sdpa(tq, kc, vc, **kw), "torch", reps=args.reps)
+        row("sdpa_contiguous", ms_s, err_vs_ours=err_sdpa, us_single_call=round(single * 1e3, 2))
+        msg.append(f"sdpa {ms_s * 1e3:7.1f} us")
+        del kc, vc
+    log(f"  {dtype:8s} b{len(lens):<4d} L{shape['seq_len']!s:<6s} {q_heads}/{kv_heads}: "
+        + " | ".join(msg))
 
 
-def _plan(q, cache, tables, num_splits=None):
-    """The launcher's choice for this problem: (kernel, merge kernel, threads, splits, length)."""
-    dt = "bfloat16" if cache.dtype == np.uint16 else str(cache.dtype)
-    return attn._plan(tuple(q.shape), tuple(cache.shape), cache.itemsize, dt, tables.shape[1],
-                      num_splits)
+def bench_staircase(shapes, spec, rows, log, reps):
+    """Chapter 9's seven steps on each shape (fp16), each checked against step 6 first."""
+    d, bs = spec["head_dim"], spec["block_size"]
+    for shape in shapes:
+        lens = shape_lengths(shape, 1)
+        q, cache, tables, dlens = make_problem(lens, shape["q_heads"], shape["kv_heads"], d,
+                                               bs, "float16", 1)
+        kv_bytes = 2 * int(lens.sum()) * shape["kv_heads"] * d * 2
+        prod = host_float(run_step(6, q, cache, tables, dlens))
+        for step in STEPS:
+            out = run_step(step, q, cache, tables, dlens)
+            err = rel_err(host_float(out), prod)
+            assert err < 2e-3, f"staircase step {step} differs from step 6 by {err:.1e}"
+            ms, _ = time_fn(lambda: run_step(step, q, cache, tables, dlens, out=out), reps=reps)
+            rows.append(dict(impl="staircase", step=step, what=STEPS[step], dtype="float16",
+                             batch=len(lens), seq_len=shape["seq_len"], q_heads=shape["q_heads"],
+                             kv_heads=shape["kv_heads"], head_dim=d, block_size=bs,
+                             kv_bytes=kv_bytes, us=round(ms * 1e3, 2),
+                             tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 4),
+                             floor_us=round(kv_bytes / RATED_TBPS / 1e6, 2), err_vs_step6=err))
+            log(f"  staircase b{len(lens)} L{shape['seq_len']} {shape['q_heads']}/"
+                f"{shape['kv_heads']} step {step}: {ms * 1e3:10.1f} us ({STEPS[step]})")
+        free_memory({})
 
 
 def bench_cache_ops(rows, log, copy_bw):
     cp = backend.xp
     rng = cp.random.default_rng(7)
     bs, kv_heads, d = 16, 8, 128
-    # write_kv: 131072 tokens of K and V, fp16 -> 512 MiB read + 512 MiB written, random slots
     tokens, n = 131072, 8192                 # n: copy_blocks pairs, so 2n blocks are needed
     num_blocks = max(tokens // bs, 2 * n) + 64
     cache = cp.empty((num_blocks, 2, bs, kv_heads, d), cp.float16)
-    k = _cupy_randn((tokens, kv_heads, d), "float16", rng)
-    v = _cupy_randn((tokens, kv_heads, d), "float16", rng)
-    slots = cp.asarray(np.random.default_rng(8).permutation(num_blocks * bs)[:tokens]
-                       .astype(np.int32))
+    k, v = (_cupy_randn((tokens, kv_heads, d), "float16", rng) for _ in range(2))
+    slots = np.random.default_rng(8).permutation(num_blocks * bs)[:tokens].astype(np.int32)
+    dslots = cp.asarray(slots)
     write_kv(cache, k, v, slots)
     sample = np.random.default_rng(9).choice(tokens, 64, replace=False)
-    s_host = backend.to_numpy(slots)[sample]
-    kc = backend.to_numpy(cache[cp.asarray(s_host // bs), 0, cp.asarray(s_host % bs)])
+    kc = backend.to_numpy(cache[cp.asarray(slots[sample] // bs), 0, cp.asarray(slots[sample] % bs)])
     assert np.array_equal(kc, backend.to_numpy(k)[sample]), "write_kv wrote the wrong rows"
-    ms, _ = time_cupy(lambda: write_kv(cache, k, v, slots), reps=20)
-    moved = 2 * (k.nbytes + v.nbytes)
-    rows.append(dict(impl="pagedkv.write_kv", dtype="float16", tokens=tokens, kv_heads=kv_heads,
-                     head_dim=d, block_size=bs, us=round(ms * 1e3, 2),
-                     tbps=round(moved / (ms * 1e-3) / 1e12, 4),
-                     fraction_of_copy=round(moved / (ms * 1e-3) / copy_bw, 4)))
-    log(f"  write_kv   {moved/1e6:7.0f} MB moved in {ms*1e3:8.1f} us = "
-        f"{moved/(ms*1e-3)/1e12:.3f} TB/s = {moved/(ms*1e-3)/copy_bw:.1%} of copy")
-    # copy_blocks: 8192 (src, dst) pairs of 64 KiB blocks -> 512 MiB read + 512 MiB written
     perm = np.random.default_rng(10).permutation(num_blocks).astype(np.int32)
     pairs = np.stack([perm[:n], perm[n:2 * n]], axis=1)
     copy_blocks(cache, pairs)
     for src, dst in pairs[:: n // 16]:   # compare bits: blocks never written hold any bytes
         assert bool((cache[int(src)].view(cp.uint16) == cache[int(dst)].view(cp.uint16)).all())
     dpairs = cp.asarray(pairs)
-    # the launch alone: the host-side check of 8192 pairs (np.unique) would dominate the timing
-    ms, _ = time_cupy(lambda: _copy_blocks_launch([cache], dpairs), reps=20)
-    moved = 2 * n * (cache.nbytes // num_blocks)
-    rows.append(dict(impl="pagedkv.copy_blocks", dtype="float16", pairs=n, kv_heads=kv_heads,
-                     head_dim=d, block_size=bs, us=round(ms * 1e3, 2),
-                     tbps=round(moved / (ms * 1e-3) / 1e12, 4),
-                     fraction_of_copy=round(moved / (ms * 1e-3) / copy_bw, 4)))
-    log(f"  copy_blocks{moved/1e6:7.0f} MB moved in {ms*1e3:8.1f} us = "
-        f"{moved/(ms*1e-3)/1e12:.3f} TB/s = {moved/(ms*1e-3)/copy_bw:.1%} of copy")
+    # on the device: the host-side checks of 131072 slots / 8192 pairs would dominate the timing
+    for name, fn, moved in [
+            ("write_kv", lambda: write_kv(cache, k, v, dslots, validate=False),
+             2 * (k.nbytes + v.nbytes)),
+            ("copy_blocks", lambda: copy_blocks(cache, dpairs, validate=False),
+             2 * n * (cache.nbytes // num_blocks))]:
+        ms, _ = time_fn(fn, reps=20)
+        bw = moved / (ms * 1e-3)
+        rows.append(dict(impl=f"pagedkv.{name}", dtype="float16", us=round(ms * 1e3, 2),
+                         bytes_moved=moved, tbps=round(bw / 1e12, 4),
+                         fraction_of_copy=round(bw / copy_bw, 4)))
+        log(f"  {name:12s}{moved / 1e6:7.0f} MB moved in {ms * 1e3:8.1f} us = "
+            f"{bw / 1e12:.3f} TB/s = {bw / copy_bw:.1%} of copy")
 
 
 def summary(rows, log):
     """The table, and geometric means of FlashInfer's time over ours (> 1: we are faster)."""
-    keyf = lambda r: (r["dtype"], r["batch"], r["seq_len"], r["q_heads"], r["kv_heads"])
     by = {}
     for r in rows:
-        if "batch" in r and r["impl"] in ("pagedkv", "flashinfer", "sdpa_contiguous"):
-            by.setdefault(keyf(r), {})[r["impl"]] = r
-    log("")
-    log(f"{'dtype':9s}{'batch':>6s}{'seq':>7s}{'heads':>7s} | {'pagedkv us':>10s} {'TB/s':>6s} | "
-        f"{'flashinf us':>11s} {'TB/s':>6s} | {'sdpa us':>9s} {'TB/s':>6s} | {'fi/ours':>7s}")
-    ratios, faster = [], 0
+        if r["impl"] in ("pagedkv", "flashinfer", "sdpa_contiguous"):
+            key = (r["dtype"], r["batch"], r["seq_len"], r["q_heads"], r["kv_heads"])
+            by.setdefault(key, {})[r["impl"]] = r
+    log(f"\n{'dtype':9s}{'batch':>6s}{'seq':>7s}{'heads':>7s} | {'ours us':>8s} {'path':>5s} | "
+        f"{'FI us':>8s} {'path':>5s} | {'sdpa us':>8s} | {'FI/ours':>7s} {'sdpa/ours':>9s}")
+    ratios, g8 = [], []
     for k, v in by.items():
-        o, f, s = v.get("pagedkv"), v.get("flashinfer"), v.get("sdpa_contiguous")
-        ratio = f["us"] / o["us"] if (o and f) else None
-        if ratio is not None:
+        o, f, s = v["pagedkv"], v.get("flashinfer"), v.get("sdpa_contiguous")
+        ratio = f["us"] / o["us"] if f else None
+        if ratio:
             ratios.append(ratio)
-            faster += ratio > 1
-        fmt = lambda r: (f"{r['us']:10.1f} {r['tbps']:6.2f}" if r else f"{'-':>10s} {'-':>6s}")
-        log(f"{k[0]:9s}{k[1]:6d}{k[2]:7d}{k[3]:>4d}/{k[4]:<2d} | {fmt(o)} | {fmt(f)} | {fmt(s)} | "
-            + (f"{ratio:7.3f}" if ratio else "      -"))
-    if ratios:
-        gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        log(f"geometric mean of FlashInfer time / pagedkv time over {len(ratios)} cases: "
-            f"{gm:.3f}; pagedkv faster on {faster}")
-        return gm, faster
-    return None, 0
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=str(ROOT / "bench" / "decode_shapes.json"))
-    ap.add_argument("--json", help="write the rows (and the run's description) here")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--sweep", action="store_true", help="also time other launch configurations")
-    ap.add_argument("--only", type=int, nargs="*", help="indices of shapes to run")
-    ap.add_argument("--dtypes", nargs="*")
-    args = ap.parse_args(argv)
-    if not backend.on_gpu:
-        print(f"no usable GPU ({backend.reason}): nothing to time")
-        return 0
-    log = lambda s: print(s, flush=True)
-    spec = json.loads(pathlib.Path(args.shapes).read_text())
-    peers, notes = load_peers()
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                **backend.describe(), nvrtc_target=nvrtc_target(), peers=notes,
-                cupy_bfloat16=_has_bf16(), python=sys.version.split()[0])
-    log(json.dumps(meta))
-    bw, ms = copy_bandwidth()
-    meta["copy_bandwidth_tbps"] = round(bw / 1e12, 4)
-    log(f"device-to-device copy of 2 GiB: {ms*1e3:.0f} us = {bw/1e12:.3f} TB/s (read + written)")
-    rows = []
-    t0 = time.time()
-    shapes = [s for i, s in enumerate(spec["shapes"]) if args.only is None or i in args.only]
-    for dtype in args.dtypes or spec["dtype"]:
-        for shape in shapes:
-            try:
-                bench_decode(shape, dtype, spec, peers, args, rows, log)
-                free_memory(peers)
-            except AssertionError as exc:
-                log(f"  FAILED CHECK {dtype} {shape}: {exc}")
-                meta.setdefault("failed_checks", []).append(f"{dtype} {shape}: {exc}")
-            if args.json:  # after every shape, so a run cut short still leaves its rows
-                pathlib.Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}))
-    try:
-        bench_cache_ops(rows, log, bw)
-    except AssertionError as exc:
-        log(f"  FAILED CHECK cache ops: {exc}")
-        meta.setdefault("failed_checks", []).append(f"cache ops: {exc}")
-    meta["seconds"] = round(time.time() - t0, 1)
-    gm, faster = summary(rows, log)
-    meta["geomean_flashinfer_over_pagedkv"] = gm
-    meta["pagedkv_faster_cases"] = faster
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    return 1 if meta.get("failed_checks") else 0
+            if k[3] == 8 * k[4]:
+                g8.append(ratio)
+        cell = lambda r: f"{r['us']:8.1f} {'tc' if r.get('path', '').startswith('t') else 'cc':>5s}"
+        log(f"{k[0]:9s}{k[1]:6d}{k[2]!s:>7s}{k[3]:>4d}/{k[4]:<2d} | {cell(o)} | "
+            + (cell(f) if f else f"{'not run':>14s}") + " | "
+            + (f"{s['us']:8.1f}" if s else f"{'-':>8s}") + " | "
+            + (f"{ratio:7.3f}" if ratio else f"{'-':>7s}")
+            + (f" {s['us'] / o['us']:9.3f}" if s else ""))
+    gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+    res = dict(geomean_flashinfer_over_pagedkv=gm(ratios), cases=len(ratios),
+               pagedkv_faster_cases=sum(r > 1 for r in ratios),
+               geomean_group8=gm(g8), group8_cases=len(g8))
+    log(f"geometric mean of FlashInfer time / ours: {res['geomean_flashinfer_over_pagedkv']} over "
+        f"{len(ratios)} cases (ours faster on {res['pagedkv_faster_cases']}); group 8: "
+        f"{res['geomean_group8']} over {len(g8)}")
+    return res
 
 
 def free_memory(peers):
@@ -447,13 +369,71 @@ def free_memory(peers):
         peers["torch"].cuda.empty_cache()
 
 
-def _has_bf16():
-    cp = backend.xp
-    try:
-        cp.asarray(np.zeros(2, BF16))
-        return True
-    except Exception as exc:
-        return f"no ({type(exc).__name__})"
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=str(ROOT / "bench" / "decode_shapes.json"))
+    ap.add_argument("--json", help="write the rows (and the run's description) here")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--only", type=int, nargs="*", help="indices of shapes to run")
+    ap.add_argument("--dtypes", nargs="*")
+    ap.add_argument("--staircase", action="store_true", help="also time chapter 9's steps")
+    ap.add_argument("--no-peers", action="store_true", help="time our kernels only")
+    ap.add_argument("--no-flashinfer", action="store_true", help="peers without FlashInfer")
+    args = ap.parse_args(argv)
+    if not backend.on_gpu:
+        print(f"no usable GPU ({backend.reason}): nothing to time")
+        return 0
+    log = lambda s: print(s, flush=True)
+    spec = json.loads(pathlib.Path(args.shapes).read_text())
+    dtypes = args.dtypes or spec["dtype"]
+    peers, notes = ({}, {"peers": "not run (--no-peers)"}) if args.no_peers else load_peers()
+    if args.no_flashinfer and peers.pop("flashinfer", None) is not None:
+        notes["flashinfer"] = "not run (--no-flashinfer)"
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python -m pagedkv.bench.kernels " + " ".join(argv or sys.argv[1:]),
+                **backend.describe(), nvrtc_target=nvrtc_target(), peers=notes,
+                python=sys.version.split()[0], rated_tbps=RATED_TBPS)
+    log(json.dumps(meta))
+    t0 = time.time()
+    if "flashinfer" in peers:
+        prebuild_flashinfer(peers["torch"], [d for d in dtypes if d != "float32"],
+                            spec["head_dim"])
+        meta["flashinfer_build_s"] = round(time.time() - t0, 1)
+        log(f"FlashInfer modules ready after {meta['flashinfer_build_s']} s")
+    bw, ms = copy_bandwidth()
+    rbw, rms = read_bandwidth()
+    meta.update(copy_bandwidth_tbps=round(bw / 1e12, 4), read_bandwidth_tbps=round(rbw / 1e12, 4))
+    log(f"device-to-device copy of 2 GiB: {ms * 1e3:.0f} us = {bw / 1e12:.3f} TB/s (read + "
+        f"written); reading 2 GiB: {rms * 1e3:.0f} us = {rbw / 1e12:.3f} TB/s")
+    rows = []
+
+    def save():
+        if args.json:   # after every shape, so a run cut short still leaves its rows
+            pathlib.Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+    shapes = [s for i, s in enumerate(spec["shapes"]) if args.only is None or i in args.only]
+    for dtype in dtypes:
+        for shape in shapes:
+            try:
+                bench_decode(shape, dtype, spec, peers, args, rows, log)
+            except AssertionError as exc:
+                log(f"  FAILED CHECK {dtype} {shape}: {exc}")
+                meta.setdefault("failed_checks", []).append(f"{dtype} {shape}: {exc}")
+            free_memory(peers)
+            save()
+    for part, fn in [("staircase", lambda: args.staircase and bench_staircase(
+            spec["staircase_shapes"], spec, rows, log, max(3, args.reps // 3))),
+                     ("cache ops", lambda: bench_cache_ops(rows, log, bw))]:
+        try:
+            fn()
+        except AssertionError as exc:
+            log(f"  FAILED CHECK {part}: {exc}")
+            meta.setdefault("failed_checks", []).append(f"{part}: {exc}")
+        save()
+    meta["seconds"] = round(time.time() - t0, 1)
+    meta.update(summary(rows, log))
+    save()
+    return 1 if meta.get("failed_checks") else 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""CuPy kernels (CUDA C inside RawModules), each with a NumPy reference used when no GPU is present.
+"""CuPy kernels (CUDA C in ``*.cu`` files beside their launchers), each with a NumPy reference
+used when no GPU is present.
 
 * :mod:`pagedkv.kernels.cache_ops` — ``write_kv`` (new tokens into their slots) and
   ``copy_blocks`` (copy-on-write block copies), both one launch each;
-* :mod:`pagedkv.kernels.attention` — ``paged_decode_attention`` (PagedAttention with split-K)
-  and the naive gather-then-attend version the chapter starts from.
+* :mod:`pagedkv.kernels.attention` — ``paged_decode_attention`` (PagedAttention with split-K,
+  on CUDA cores or tensor cores) and ``decode_plan`` (the launch it would make);
+* :mod:`pagedkv.kernels.reference` — the NumPy references: gather-then-attend, the float64
+  oracle, and the kernels' algorithm in NumPy;
+* :mod:`pagedkv.kernels.staircase` — chapter 9's seven steps from a plain loop to tensor cores.
 """
-from .attention import (choose_num_splits, dense_attention, gather_kv, paged_decode_attention,
-                        paged_decode_attention_ref)
+from .attention import DecodePlan, choose_num_splits, decode_plan, paged_decode_attention
 from .cache_ops import copy_blocks, copy_blocks_ref, write_kv, write_kv_ref
+from .reference import dense_attention, gather_kv, paged_decode_attention_ref
 
 __all__ = ["write_kv", "write_kv_ref", "copy_blocks", "copy_blocks_ref",
-           "paged_decode_attention", "paged_decode_attention_ref", "gather_kv", "dense_attention",
-           "choose_num_splits"]
+           "paged_decode_attention", "decode_plan", "DecodePlan", "paged_decode_attention_ref",
+           "gather_kv", "dense_attention", "choose_num_splits"]

@@ -1,12 +1,14 @@
 """What every kernel family shares: dtype names, shape checks, compiling CUDA source with CuPy.
 
-A kernel family is one CUDA C source string beside the Python function that launches it. CuPy
-compiles the source at first use with NVRTC (CUDA's run-time compiler) into a ``RawModule``; we
-keep one compiled module per (source, template arguments) so a second call costs nothing.
+A kernel family is one CUDA C file (``*.cu``, package data beside the Python module that
+launches it), with ``common.cuh`` put in front of it. CuPy compiles the source at first use with
+NVRTC (CUDA's run-time compiler) into a ``RawModule``; we keep one compiled module per (source,
+template arguments) so a second call costs nothing.
 """
 from __future__ import annotations
 
 import functools
+import importlib.resources
 
 import numpy as np
 
@@ -22,6 +24,12 @@ except ImportError:  # pragma: no cover - ml_dtypes is a test/notebook dependenc
 
 #: The dtypes the kernels accept, and the number each one has inside the CUDA templates.
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+#: What the attention kernels are compiled for: head sizes, block (page) sizes, and up to
+#: MAX_GROUP query heads per kv head.
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+MAX_GROUP = 8
 
 #: Compiler options for every module: C++17, and fast (approximate) exp2/division. CuPy itself adds
 #: the ``-arch`` option for the GPU it runs on (``sm_90`` machine code on an H200).
@@ -74,6 +82,54 @@ def check_cache(cache) -> str:
     return dtype_name(cache)
 
 
+def check_decode(q, cache, block_tables, seq_lens, out=None) -> str:
+    """Shapes and dtypes of a decode-attention call (cheap: no data is read). Returns the dtype.
+
+    ``q`` ``[batch, q_heads, head_dim]``; ``cache`` ``[num_blocks, 2, block_size, kv_heads,
+    head_dim]``; ``block_tables`` int32 ``[batch, max_blocks]``; ``seq_lens`` int32 ``[batch]``;
+    ``q_heads`` is 1 to MAX_GROUP times ``kv_heads``.
+    """
+    kv_dtype = check_cache(cache)
+    if q.ndim != 3:
+        raise ConfigError(f"q must have shape [batch, q_heads, head_dim], got {tuple(q.shape)}")
+    if q.dtype != cache.dtype:
+        raise ConfigError(f"q has dtype {q.dtype}, the cache {cache.dtype}")
+    _, _, block_size, kv_heads, head_dim = cache.shape
+    batch, q_heads, qd = q.shape
+    if qd != head_dim:
+        raise ConfigError(f"q has head_dim {qd}, the cache {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ConfigError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if block_size not in BLOCK_SIZES:
+        raise ConfigError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    if q_heads % kv_heads or not 1 <= q_heads // kv_heads <= MAX_GROUP:
+        raise ConfigError(f"q_heads ({q_heads}) must be 1 to {MAX_GROUP} times kv_heads "
+                          f"({kv_heads})")
+    check_int32(block_tables, "block_tables", 2)
+    check_int32(seq_lens, "seq_lens", 1)
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ConfigError(f"block_tables {tuple(block_tables.shape)} and seq_lens "
+                          f"{tuple(seq_lens.shape)} must have batch={batch} rows")
+    if out is not None and (tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype):
+        raise ConfigError(f"out must be {tuple(q.shape)} {q.dtype}, got "
+                          f"{tuple(out.shape)} {out.dtype}")
+    return kv_dtype
+
+
+def check_lengths(cache, block_tables, seq_lens):
+    """Lengths and the table entries they use, on the host (NumPy arrays: on a GPU this would
+    wait for the device, so the CuPy paths trust them)."""
+    num_blocks, _, block_size = cache.shape[:3]
+    lens = np.asarray(seq_lens)
+    if lens.size and (lens.min() < 0 or lens.max() > block_tables.shape[1] * block_size):
+        raise ConfigError(f"seq_lens must lie in [0, max_blocks * block_size = "
+                          f"{block_tables.shape[1] * block_size}], got {lens.min()} to "
+                          f"{lens.max()}")
+    used = np.arange(block_tables.shape[1])[None, :] * block_size < lens[:, None]
+    if np.any((block_tables[used] < 0) | (block_tables[used] >= num_blocks)):
+        raise ConfigError(f"block_tables map a token to a block outside [0, {num_blocks})")
+
+
 def as_float(a, dtype: str) -> np.ndarray:
     """A NumPy float64 copy of an array of any supported dtype (bf16 may arrive as uint16 bits)."""
     a = backend.to_numpy(a)
@@ -90,6 +146,24 @@ def to_dtype(a: np.ndarray, dtype: str, like) -> np.ndarray:
         out = a.astype(BF16)
         return out.view(np.uint16) if like.dtype == np.uint16 else out
     return a.astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def load_source(filename: str) -> str:
+    """``common.cuh`` followed by the CUDA file ``filename`` of this package."""
+    here = importlib.resources.files(__package__)
+    return here.joinpath("common.cuh").read_text() + "\n" + here.joinpath(filename).read_text()
+
+
+def cuda_between(filename: str, start: str, end: str | None = None) -> str:
+    """The lines of a CUDA file from the one containing ``start`` up to (not including) the
+    first later one containing ``end`` (to the end of the file without ``end``): how a chapter
+    shows one piece of a kernel."""
+    lines = importlib.resources.files(__package__).joinpath(filename).read_text().splitlines()
+    i = next(n for n, line in enumerate(lines) if start in line)
+    j = next((n for n, line in enumerate(lines[i + 1:], i + 1) if end and end in line),
+             len(lines))
+    return "\n".join(lines[i:j]).rstrip()
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,12 +190,28 @@ def sm_count() -> int:
 
 def fn_attr(fn, name: str, default: int) -> int:
     """A compiled kernel's attribute (num_regs, shared_size_bytes, local_size_bytes...)."""
-    for get in (lambda: getattr(fn, name), lambda: fn.attributes[name]):
+    def driver_attr():
+        from cupy_backends.cuda.api import driver
+        return driver.funcGetAttribute(getattr(driver, f"CU_FUNC_ATTRIBUTE_{name.upper()}"),
+                                       fn.ptr)
+    for get in (lambda: getattr(fn, name), lambda: fn.attributes[name], driver_attr):
         try:
             return int(get())
         except Exception:
             pass
     return default
+
+
+def allow_dynamic_smem(fn, nbytes: int) -> None:
+    """Let ``fn`` use ``nbytes`` of dynamic shared memory (above 48 KiB a kernel must ask)."""
+    if nbytes <= 48 * 1024:
+        return
+    try:                      # CuPy's RawKernel (what RawModule.get_function returns)
+        fn.max_dynamic_shared_size_bytes = int(nbytes)
+    except AttributeError:    # a bare cupy.cuda.Function
+        from cupy_backends.cuda.api import driver
+        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                int(nbytes))
 
 
 def nvrtc_target() -> str:

@@ -4,7 +4,9 @@ GPU's memory bandwidth; the kernels below try to reach it.
 
 Layout (shared with the memory manager): one layer's cache is an array
 ``[num_blocks, 2, block_size, kv_heads, head_dim]``; index 0 of axis 1 holds K, index 1 holds V.
-A *slot* is ``block * block_size + offset``; slot −1 means "padding, write nothing".
+A *slot* is ``block * block_size + offset``. The slot rule, the same on NumPy and CuPy: a
+negative slot is padding and is skipped (−1 by convention); a slot at or past
+``num_blocks * block_size`` raises :class:`~pagedkv.errors.ConfigError` and nothing is written.
 """
 from __future__ import annotations
 
@@ -28,19 +30,19 @@ CACHE_OPS_SOURCE = r"""
 
 // write_kv: token t's K row and V row (kv_heads * head_dim elements each) go to its slot.
 //   k, v         [num_tokens][row_vecs]           the new keys and values
-//   slot_mapping [num_tokens]                      slot = block * block_size + offset, or -1
+//   slot_mapping [num_tokens]                      slot = block * block_size + offset; < 0: skip
 //   cache        [num_blocks][2][block_size][row_vecs]
 // One thread copies one Vec of K and the same Vec of V; the grid covers tokens x row_vecs.
 template <typename Vec>
 __global__ void write_kv(const Vec* __restrict__ k, const Vec* __restrict__ v,
                          const int* __restrict__ slot_mapping, Vec* __restrict__ cache,
-                         long long total, int row_vecs, int block_size) {
+                         long long total, int row_vecs, int block_size, long long num_slots) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // this thread's Vec
     if (i >= total) return;                 // the last block of the grid may overhang
     int token = (int)(i / row_vecs);        // which token
     int c = (int)(i - (long long)token * row_vecs);  // which Vec of that token's row
     int slot = slot_mapping[token];
-    if (slot < 0) return;                   // padding: nothing to write
+    if (slot < 0 || slot >= num_slots) return;  // padding (the host refuses slots past the end)
     long long block = slot / block_size, offset = slot % block_size;
     // Row `offset` of the K half of `block`, then the same row of the V half, one block_size later.
     long long k_row = (block * 2 * block_size + offset) * row_vecs;
@@ -55,8 +57,8 @@ __global__ void write_kv(const Vec* __restrict__ k, const Vec* __restrict__ v,
 //   pairs   [n][2]     (src, dst) block ids
 // A block is cut into chunks of blockDim.x * UNROLL Vecs; one CTA copies one chunk:
 // blockIdx.x = pair * chunks + chunk, blockIdx.y = layer. Each thread first loads its UNROLL
-// Vecs, then stores them, so several loads are in flight at once (memory answers after about a
-// microsecond; many small CTAs keep the GPU full, as in write_kv).
+// Vecs, then stores them, so several loads are in flight at once (memory answers a few hundred
+// nanoseconds after it is asked; many small CTAs keep the GPU full, as in write_kv).
 template <typename Vec, int UNROLL>
 __global__ void copy_blocks(const unsigned long long* __restrict__ caches,
                             const int* __restrict__ pairs, int block_vecs, int chunks) {
@@ -110,31 +112,46 @@ def _check_write(cache, k, v, slot_mapping):
     return dtype
 
 
+def _check_slots(slots, num_slots: int) -> None:
+    """Refuse a slot at or past the end of the cache (negative slots are padding)."""
+    top = int(slots.max()) if slots.size else -1     # on CuPy: one read back from the device
+    if top >= num_slots:
+        raise ConfigError(f"slot_mapping holds slot {top}, past the cache's "
+                          f"{num_slots} slots (num_blocks * block_size); negative slots are "
+                          "padding, larger ones are errors")
+
+
 def write_kv_ref(cache, k, v, slot_mapping):
     """NumPy reference: ``cache[slot // B, 0, slot % B] = k[t]`` (and V) for every slot ≥ 0."""
     _check_write(cache, k, v, slot_mapping)
     num_blocks, _, block_size = cache.shape[:3]
     slots = np.asarray(slot_mapping)
+    _check_slots(slots, num_blocks * block_size)
     keep = slots >= 0
-    if np.any(slots[keep] >= num_blocks * block_size):
-        raise ConfigError(f"slot_mapping holds a slot ≥ {num_blocks * block_size} "
-                          f"(num_blocks * block_size)")
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
     cache[blocks, 0, offsets] = k[keep]
     cache[blocks, 1, offsets] = v[keep]
     return cache
 
 
-def write_kv(cache, k, v, slot_mapping):
-    """Write ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` into ``cache`` at ``slot_mapping``.
+def write_kv(cache, k, v, slot_mapping, *, validate=True):
+    """Write ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` into ``cache`` at the slots.
 
-    Slots equal to −1 are skipped. Works on NumPy arrays (the reference) and on CuPy arrays (one
-    kernel launch). Returns ``cache``, modified in place.
+    Negative slots are padding and are skipped; a slot ≥ ``num_blocks * block_size``
+    raises :class:`ConfigError` before anything is written. Works on NumPy arrays (the
+    reference) and on CuPy arrays (one kernel launch). On the GPU the slot mapping may be
+    a NumPy array (the manager's plans are: it is checked on the host, then uploaded) or
+    a CuPy array (checked on the device, which costs one synchronisation).
+    ``validate=False`` (GPU only) skips that check, for slots a manager plan produced or
+    to time the kernel alone: the kernel then skips a slot past the end instead of
+    raising. Returns ``cache``, modified in place.
     """
     if not is_cupy(cache):
         return write_kv_ref(cache, k, v, slot_mapping)
     cp = backend.xp
     _check_write(cache, k, v, slot_mapping)
+    if validate:
+        _check_slots(slot_mapping, cache.shape[0] * cache.shape[2])
     k, v = cp.ascontiguousarray(k), cp.ascontiguousarray(v)
     slot_mapping = cp.ascontiguousarray(cp.asarray(slot_mapping))
     num_tokens = k.shape[0]
@@ -147,7 +164,8 @@ def write_kv(cache, k, v, slot_mapping):
     threads = 256
     fn = kernel(CACHE_OPS_SOURCE, f"write_kv<{ctype}>")
     fn(((total + threads - 1) // threads,), (threads,),
-       (k, v, slot_mapping, cache, np.int64(total), np.int32(row_vecs), np.int32(cache.shape[2])))
+       (k, v, slot_mapping, cache, np.int64(total), np.int32(row_vecs),
+        np.int32(cache.shape[2]), np.int64(cache.shape[0] * cache.shape[2])))
     return cache
 
 
@@ -190,23 +208,28 @@ def copy_blocks_ref(cache, pairs):
     return cache
 
 
-def copy_blocks(cache, pairs):
+def copy_blocks(cache, pairs, *, validate=True):
     """Copy block ``src`` onto block ``dst`` for every row of ``pairs`` (int32 ``[n, 2]``).
 
     ``cache`` is one layer's cache or a list/tuple of them (one per layer); axis 0 is the block
     axis. On the GPU all pairs of all layers are copied by one kernel launch. Destinations must be
     distinct and must not be sources. Returns ``cache``.
+
+    ``validate=False`` (GPU only) skips the host-side check of the pairs and accepts them
+    already on the device: for pairs a :class:`~pagedkv.manager.KVCacheManager` plan produced
+    (it guarantees them), or to time the kernel alone.
     """
     layers = _as_layers(cache)
     if not is_cupy(layers[0]):
         return copy_blocks_ref(cache, pairs)
-    p = _check_pairs(pairs, layers[0].shape[0])
-    if p.shape[0] == 0:
+    if validate:
+        pairs = _check_pairs(pairs, layers[0].shape[0])
+    if pairs.shape[0] == 0:
         return cache
     for a in layers:
         if not a.flags.c_contiguous:
             raise ConfigError("every cache must be C-contiguous")
-    _copy_blocks_launch(layers, backend.xp.asarray(p))
+    _copy_blocks_launch(layers, backend.xp.asarray(pairs))
     return cache
 
 

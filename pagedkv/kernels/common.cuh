@@ -1,0 +1,150 @@
+// =======================================================================================
+// What every attention kernel in this folder shares. The Python launchers put this text
+// in front of each kernel file before CuPy compiles it (NVRTC, CUDA's run-time compiler),
+// so no header file has to be found at compile time.
+//
+// A few words for a first-time CUDA reader:
+//  * A kernel is one function that many threads run at once. Threads come in warps of 32
+//     that
+//    execute one instruction together, and warps in thread blocks ("CTAs") that share a
+//    small,
+//    fast on-chip memory, `__shared__` memory. The grid of CTAs covers the whole problem;
+//    each
+//    thread finds its piece from threadIdx (its place in the CTA) and blockIdx (the CTA's
+//    place
+//    in the grid).
+//  * Global memory (the GPU's HBM) is large and slow to answer: a few hundred nanoseconds
+//    between asking and getting. It is fast only when the 32 threads of a warp ask for
+//    one
+//    contiguous stretch together, ideally 16 bytes per thread (a `uint4`).
+//  * K and V are stored as DT = 0 float32, 1 float16, 2 bfloat16; all arithmetic is
+//     float32.
+// =======================================================================================
+
+// Minus infinity, spelled as its bit pattern (no headers needed).
+#define NEG_INF __uint_as_float(0xff800000u)
+
+// ---- stored numbers <-> float32 ---------------------------------------------------
+// Num<DT>::load(p, i) reads number i of an array as float32; unpack widens the numbers of
+// one 16-byte load; store writes one number back in the stored type.
+template <int DT> struct Num;
+template <> struct Num<0> {  // float32: a 16-byte load holds 4 numbers, nothing to do
+    static constexpr int PER_VEC = 4;
+    __device__ static float load(const void* p, long long i) {
+        return ((const float*)p)[i];
+    }
+    __device__ static void unpack(const uint4& r, float* f) {
+        f[0] = __uint_as_float(r.x); f[1] = __uint_as_float(r.y);
+        f[2] = __uint_as_float(r.z); f[3] = __uint_as_float(r.w);
+    }
+    __device__ static void store(void* p, long long i, float x) { ((float*)p)[i] = x; }
+};
+template <> struct Num<1> {  // float16: 8 per 16 bytes; the cvt instruction widens each
+    static constexpr int PER_VEC = 8;
+    __device__ static float widen(unsigned short h) {
+        float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+    }
+    __device__ static float load(const void* p, long long i) {
+        return widen(((const unsigned short*)p)[i]);
+    }
+    __device__ static void unpack(const uint4& r, float* f) {
+        const unsigned w[4] = {r.x, r.y, r.z, r.w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = widen((unsigned short)(w[i] & 0xffff));
+            f[2 * i + 1] = widen((unsigned short)(w[i] >> 16));
+        }
+    }
+    __device__ static void store(void* p, long long i, float x) {
+        unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        ((unsigned short*)p)[i] = h;
+    }
+    // Two float32 numbers rounded into one 32-bit register (lo in the low half), the form
+    // the tensor cores take.
+    __device__ static unsigned pack2(float lo, float hi) {
+        unsigned r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+template <> struct Num<2> {  // bfloat16: the top half of a float32: widening is a shift
+    static constexpr int PER_VEC = 8;
+    __device__ static float load(const void* p, long long i) {
+        return __uint_as_float((unsigned)((const unsigned short*)p)[i] << 16);
+    }
+    __device__ static void unpack(const uint4& r, float* f) {
+        const unsigned w[4] = {r.x, r.y, r.z, r.w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+    __device__ static void store(void* p, long long i, float x) {
+        unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        ((unsigned short*)p)[i] = h;
+    }
+    __device__ static unsigned pack2(float lo, float hi) {
+        unsigned r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+// ---- where a token's K or V row lives ---------------------------------------------
+// The cache is [num_blocks][2][BLOCK_SIZE][kv_heads][HEAD_DIM]. Token t of a sequence
+// sits in physical block table[t / BLOCK_SIZE], row t % BLOCK_SIZE; kv = 0 is its K half,
+// 1 its V half. Returns the index of the row's first number (multiply by the element size
+// for bytes).
+template <int HEAD_DIM, int BLOCK_SIZE>
+__device__ __forceinline__ long long kv_row(const int* table, int t, int kv, int h,
+                                            int kv_heads) {
+    const long long block = table[t / BLOCK_SIZE];
+    return (((block * 2 + kv) * BLOCK_SIZE + t % BLOCK_SIZE) * kv_heads + h) * HEAD_DIM;
+}
+
+// ---- asynchronous copies global -> shared (Ampere and later) ----------------------
+// cp.async.cg copies 16 bytes without passing through registers; with ok == false it
+// copies 0 bytes and fills the 16 with zeros. commit closes a group of copies; wait<N>
+// blocks until at most N groups of this thread are still in flight.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned s;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+                 : "=r"(s) : "l"(p));
+    return s;
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+// ---- merging partial softmaxes ----------------------------------------------------
+// Split i of a query head saw weights summing to 2^lse_i and produced o_i, normalised.
+// The softmax over all splits is out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M), M =
+// max lse_i. One CTA per query head (blockIdx.x), thread d makes output number d.
+template <int DT>
+__global__ void merge_splits(const float* __restrict__ part_o,
+                             const float* __restrict__ part_lse, void* __restrict__ out,
+                             int num_splits, int head_dim) {
+    const long long qrow = blockIdx.x;
+    const float* lse = part_lse + qrow * num_splits;
+    float mx = NEG_INF;
+    for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, lse[i]);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float lsum = 0.f, o = 0.f;
+        if (mx > NEG_INF) {
+            for (int i = 0; i < num_splits; ++i) {
+                const float w = exp2f(lse[i] - mx);
+                lsum += w;
+                o += w * part_o[(qrow * num_splits + i) * head_dim + d];
+            }
+        }
+        Num<DT>::store(out, qrow * head_dim + d, lsum > 0.f ? o / lsum : 0.f);
+    }
+}

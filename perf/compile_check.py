@@ -1,0 +1,99 @@
+"""Compile the attention kernels with nvcc for sm_90, without a GPU: syntax, registers, spills.
+
+    python perf/compile_check.py            # every template instance the launchers can ask for
+    python perf/compile_check.py --quick    # one instance per kernel
+
+NVRTC (what CuPy uses at run time) and nvcc share the front end, so a kernel that compiles here
+compiles there; ``-Xptxas -v`` reports registers, shared memory and spill bytes per instance.
+Each instance is named the way the launchers name it (``pagedkv.kernels`` ``*_name`` helpers).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedkv.kernels import _common, attention, staircase  # noqa: E402
+
+
+def instances(quick: bool):
+    """(source file, kernel names) for every kernel family."""
+    out = []
+    prod, tc = [], []
+    dts = (1,) if quick else (0, 1, 2)
+    for dt in dts:
+        for d in ((128,) if quick else (64, 128, 256)):
+            for g in ((4, 8) if quick else range(1, 9)):
+                for bs in ((16,) if quick else (8, 16, 32)):
+                    prod.append(attention.cuda_core_name(dt, d, g, bs))
+                    if dt:
+                        tc.append(attention.tensor_core_name(dt, d, g, bs))
+    prod += [f"merge_splits<{dt}>" for dt in dts]
+    out.append(("paged_decode.cu", prod))
+    out.append(("paged_decode_tc.cu", tc))
+    out.append(("staircase.cu", staircase.all_names(quick)))
+    return out
+
+
+def compile_one(fname, names, arch="sm_90"):
+    src = _common.load_source(fname)
+    refs = ",\n".join(f"    (void*)&{n}" for n in sorted(set(names)))
+    src += f"\nvoid* pagedkv_instances[] = {{\n{refs}\n}};\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = pathlib.Path(tmp) / fname
+        cu.write_text(src)
+        cmd = ["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "--use_fast_math", "-Xptxas",
+               "-v", "-o", str(cu.with_suffix(".cubin")), str(cu)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def report(log):
+    """One line per instance: name, registers, spill stores/loads, shared memory."""
+    lines, name = [], None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                      line)
+        if m and name:
+            spill = (int(m.group(2)), int(m.group(3)))
+        m2 = re.search(r"Used (\d+) registers", line)
+        if m2 and name:
+            smem = re.search(r"(\d+) bytes smem", line)
+            lines.append((name, int(m2.group(1)), spill, int(smem.group(1)) if smem else 0))
+            name = None
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    bad = 0
+    for fname, names in instances(args.quick):
+        rc, log = compile_one(fname, names)
+        rows = report(log)
+        spilled = [r for r in rows if r[2] != (0, 0)]
+        print(f"{fname}: {len(names)} instances, rc={rc}, registers "
+              f"{min((r[1] for r in rows), default=0)}-{max((r[1] for r in rows), default=0)}, "
+              f"{len(spilled)} with spills")
+        if rc or args.verbose:
+            print(log[-6000:])
+        for r in spilled:
+            print(f"   spills: {r}")
+        bad += rc != 0
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
