@@ -146,10 +146,9 @@ def test_exact_layout_and_external_fragmentation():
     regions = mem.exact_layout([4, 6, 4, 6], capacity=20)
     assert [r.start for r in regions] == [0, 4, 10, 14]
     after = [r for r in regions if r.owner in (0, 2)]        # 1 and 3 finish
-    assert mem.free_holes(after, 20) == [(4, 6), (14, 6)]
-    assert mem.first_fit(after, 6, 20) == 4
-    assert mem.first_fit(after, 7, 20) is None               # 12 free, no hole of 7
-    assert mem.layout_summary(after, 20)["free"] == 12
+    s = mem.layout_summary(after, 20)
+    assert s["free"] == 12 and s["largest_hole"] == 6        # holes (4, 6) and (14, 6)
+    assert mem.layout_summary(regions[1:3], 20)["largest_hole"] == 6   # a hole at each end
 
 
 def test_exact_layout_stops_at_capacity():
@@ -172,7 +171,7 @@ def test_layout_rejects_bad_input():
     with pytest.raises(ValueError, match="overlapping"):
         mem.layout_summary([mem.Region(0, 5, 0, 5), mem.Region(4, 2, 1, 1)], 10)
     with pytest.raises(ValueError, match="capacity"):
-        mem.free_holes([mem.Region(8, 5, 0, 5)], 10)
+        mem.layout_summary([mem.Region(8, 5, 0, 5)], 10)
     with pytest.raises(ValueError):
         mem.layout_summary([mem.Region(0, 4, 0, 5)], 10)     # more used than reserved
 

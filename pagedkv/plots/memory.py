@@ -27,8 +27,7 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 __all__ = ["PALETTE", "FREE_COLOR", "SHARED", "owner_colors", "draw_pool", "draw_allocator",
            "manager_owners", "draw_manager", "draw_page_tables", "Region", "contiguous_layout",
-           "exact_layout", "paged_layout", "free_holes", "first_fit", "layout_summary",
-           "draw_layouts"]
+           "exact_layout", "paged_layout", "layout_summary", "draw_layouts"]
 
 #: Okabe-Ito colours (without black), for owners in order of first appearance.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442")
@@ -326,32 +325,15 @@ def _check_regions(regions, capacity: int) -> list[Region]:
     return regions
 
 
-def free_holes(regions, capacity: int) -> list[tuple[int, int]]:
-    """The free runs ``(start, size)`` between regions, in address order."""
-    holes, pos = [], 0
-    for r in _check_regions(regions, capacity) + [Region(capacity, 1, None, 0)]:
-        if r.start > pos:
-            holes.append((pos, r.start - pos))
-        pos = r.start + r.size
-    return holes
-
-
-def first_fit(regions, size: int, capacity: int):
-    """Start of the first hole that holds ``size`` contiguous slots, or ``None``."""
-    for start, n in free_holes(regions, capacity):
-        if n >= size:
-            return start
-    return None
-
-
 def layout_summary(regions, capacity: int) -> dict:
     """Slots that hold data, slots reserved but empty, free slots, and the largest free hole."""
     regions = _check_regions(regions, capacity)
-    holes = free_holes(regions, capacity)
+    ends = [0] + [r.start + r.size for r in regions]           # each hole runs from an end
+    starts = [r.start for r in regions] + [capacity]           # to the next region's start
     stored = sum(r.used for r in regions)
     reserved = sum(r.size for r in regions)
-    return {"stored": stored, "reserved_empty": reserved - stored,
-            "free": capacity - reserved, "largest_hole": max((n for _, n in holes), default=0)}
+    return {"stored": stored, "reserved_empty": reserved - stored, "free": capacity - reserved,
+            "largest_hole": max(s - e for e, s in zip(ends, starts))}
 
 
 def draw_layouts(rows, capacity: int, *, ax=None) -> Figure:
