@@ -209,3 +209,21 @@ def test_chapter_one_story_holds():
         m.audit()
         with pytest.raises(OutOfBlocks):
             m.add(7, 64)
+
+
+# ------------------------------------------------------------------------ a pool's words
+def test_draw_words_one_row_per_block_and_a_verdict_each():
+    words = np.arange(4 * 16, dtype=np.uint32).reshape(4, 16) * np.uint32(2**26)
+    fig = mem.draw_words(words, ["intact", "wrong", "intact", "not written"])
+    ax = fig.axes[0]
+    assert len(ax.images) == 1 and ax.images[0].get_array().shape == (4, 16)
+    assert [t.get_text() for t in ax.texts] == ["intact", "wrong", "intact", "not written"]
+    assert ax.images[0].get_array()[1, 1] == (17 * 2**26) >> 24     # the top byte: 68
+
+
+@pytest.mark.parametrize("words, verdicts", [(np.zeros((2, 4), np.uint32), ["a"]),
+                                             (np.zeros(4, np.uint32), ["a"] * 4),
+                                             (np.zeros((0, 4), np.uint32), [])])
+def test_draw_words_rejects_bad_input(words, verdicts):
+    with pytest.raises(ValueError):
+        mem.draw_words(words, verdicts)

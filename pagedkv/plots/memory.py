@@ -380,3 +380,35 @@ def draw_layouts(rows, capacity: int, *, ax=None) -> Figure:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
               fontsize=9)
     return fig
+
+
+# ------------------------------------------------------------------------ a pool's words
+def draw_words(words, verdicts, *, title=None, ax=None) -> Figure:
+    """The first words of each block as a row of colours, with a verdict beside each row.
+
+    ``words`` is a 2-D array (one row per block, NumPy), drawn by each word's top byte, so a
+    hashed pattern looks like noise and two blocks holding the same bytes show the same row.
+    ``verdicts[b]`` is the text written to the right of block ``b``'s row (e.g. "intact").
+    """
+    words = np.asarray(words)
+    if words.ndim != 2 or not words.size:
+        raise ValueError(f"words must be a non-empty 2-D array, got shape {words.shape}")
+    verdicts = [str(v) for v in verdicts]
+    if len(verdicts) != words.shape[0]:
+        raise ValueError(f"{len(verdicts)} verdicts for {words.shape[0]} blocks")
+    rows, cols = words.shape
+    fig, ax = _new_axes(ax, (9, 0.32 * rows + 1.0))
+    top = (words.astype(np.uint64) >> np.uint64(8 * words.dtype.itemsize - 8)).astype(float)
+    ax.imshow(top, aspect="auto", cmap="viridis", interpolation="nearest",
+              extent=(0, cols, rows, 0))
+    ax.set_yticks(np.arange(rows) + 0.5, [f"block {b}" for b in range(rows)], fontsize=9)
+    ax.set_xlabel(f"the first {cols} words of each block (colour: the word's top byte)")
+    for b, text in enumerate(verdicts):
+        ax.text(cols * 1.01, b + 0.5, text, va="center", ha="left", fontsize=9)
+    ax.set_xlim(0, cols)
+    ax.tick_params(axis="x", labelsize=9)
+    for side in ("right", "top"):
+        ax.spines[side].set_visible(False)
+    if title:
+        ax.set_title(title, fontsize=11)
+    return fig
