@@ -10,15 +10,15 @@ __all__ = ["BestFit", "replay", "block_waste"]
 
 
 class BestFit(FirstFit):
-    """Ranges placed best fit: from the shortest free hole that holds them (the first of
-    equally short ones). Freeing and merging are :class:`FirstFit`'s."""
+    """Ranges placed best fit: from the shortest free hole that holds them
+    (the first of equally short ones). Freeing and merging are FirstFit's."""
 
     def alloc(self, n: int):
         n = positive_int(n, "n")
         fits = [i for i, length in enumerate(self.lengths) if length >= n]
         if not fits:
             return None
-        i = min(fits, key=lambda i: self.lengths[i])    # min keeps the first of equals
+        i = min(fits, key=lambda i: self.lengths[i])  # the first of equals
         start = self.starts[i]
         if self.lengths[i] == n:
             del self.starts[i], self.lengths[i]
@@ -61,7 +61,8 @@ def replay(policy, *, size=1024, steps=3000, lengths=(8, 128), lifetimes=(1, 40)
 
 
 def block_waste(lengths, block_size: int) -> float:
-    """The share of reserved slots left empty when each sequence takes whole blocks."""
+    """The share of reserved slots left empty when each sequence takes
+    whole blocks."""
     lengths = np.asarray(lengths, dtype=np.int64)
     reserved = int((cdiv(lengths, block_size) * block_size).sum())
     return 1 - int(lengths.sum()) / reserved

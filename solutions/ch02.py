@@ -10,13 +10,14 @@ __all__ = ["pattern_matrix", "blocks_are_disjoint"]
 
 
 def pattern_matrix(blocks, words_per_block: int, seed: int = 0) -> np.ndarray:
-    """The pattern of every block in ``blocks`` at once: row ``k`` is block ``blocks[k]``'s
-    words, the same arithmetic as :func:`pagedkv.kernels.pattern.pattern_words`, with no Python
+    """The pattern of every block in ``blocks`` at once: row ``k`` holds the
+    words of block ``blocks[k]``, the arithmetic of ``pattern_words`` with no
     loop over blocks (a column of block ids against a row of word indexes)."""
     b = np.asarray(blocks, dtype=np.uint32).reshape(-1, 1)
     i = np.arange(words_per_block, dtype=np.uint32).reshape(1, -1)
     with np.errstate(over="ignore"):
-        x = b * np.uint32(2654435761) ^ (i + np.uint32(seed) * np.uint32(40503))
+        x = b * np.uint32(2654435761) ^ (i + np.uint32(seed)
+                                         * np.uint32(40503))
         x ^= x >> np.uint32(15)
         x *= np.uint32(2246822519)
         x ^= x >> np.uint32(13)
@@ -24,9 +25,10 @@ def pattern_matrix(blocks, words_per_block: int, seed: int = 0) -> np.ndarray:
 
 
 def blocks_are_disjoint(allocator) -> bool:
-    """True if no two blocks share a byte: fill every block with its own id first, then read
-    every block back. (Checking each block right after writing it would miss an overlap: the
-    block that overwrites it comes later.)"""
+    """True if no two blocks share a byte: fill every block with its own id
+    first, then read every block back. (Checking each block right after
+    writing it would miss an overlap: the block that overwrites it comes
+    later.)"""
     for b in range(allocator.num_blocks):
         allocator.block_view(b).view(np.uint32).fill(b)
     return all(bool((allocator.block_view(b).view(np.uint32) == b).all())
