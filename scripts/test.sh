@@ -18,6 +18,7 @@ step() {  # step NAME COMMAND...: run, time and record one step
     else
         echo "=== $name: FAILED ($(( $(date +%s) - start )) s)"
         failed+=("$name")
+        return 1
     fi
 }
 

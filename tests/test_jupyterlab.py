@@ -209,11 +209,11 @@ def test_notebook_runs_in_jupyterlab(lab, page, lab_results, docname):
             " return out; }")
         sliders = page.locator(".jp-OutputArea .widget-slider").count()
         lab_results[docname] = sliders > 0
-        _close(page)
     except Exception:
         _screenshot(page, Path(docname).name)
         raise
     problems = [] if run.get("ok") else [f"Run All did not complete: {run}"]
+    not_run = []
     for cell in report:
         where = f"cell {cell['index']}"
         if cell["type"] == "code":
@@ -224,7 +224,7 @@ def test_notebook_runs_in_jupyterlab(lab, page, lab_results, docname):
                 if "Traceback" in text:
                     problems.append(f"{where}: a traceback on stderr")
             if cell["count"] is None and cell["source"].strip():
-                problems.append(f"{where}: did not run")
+                not_run.append(cell["index"])
         elif cell["type"] == "markdown":
             roles = len(re.findall(r"\{eval\}`", cell["source"]))
             results = cell["expressions"]
@@ -240,8 +240,11 @@ def test_notebook_runs_in_jupyterlab(lab, page, lab_results, docname):
                 problems.append(f"{where}: the markdown was not rendered")
             if "{eval}" in shown or "NameError" in shown:
                 problems.append(f"{where}: an {{eval}} value is not shown: {shown[:200]!r}")
+    if not_run:
+        problems.append(f"{len(not_run)} code cells did not run, from cell {not_run[0]} on")
     if problems:
         _screenshot(page, Path(docname).name)
+    _close(page)
     assert not problems, f"{docname} in JupyterLab:\n" + "\n".join(problems)
     assert not external, f"{docname}: requests to outside the local server: {external}"
     assert not errors, f"{docname}: uncaught JavaScript errors: {errors}"
