@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the HTML book into _build/html, executing every chapter (forced execution),
+# Build the HTML book into _build/html, executing every chapter (forced, or inline for
+# chapters that quote numbers with {eval}),
 # with Sphinx warnings as errors.
 #   scripts/build_book.sh             always rebuild from scratch
 #   scripts/build_book.sh --if-stale  rebuild only if a source changed since the last
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 
 STAMP=_build/.book-built
-SOURCES=(_config.yml _toc.yml book pagedkv requirements.txt pyproject.toml)
+SOURCES=(_config.yml _toc.yml references.bib book pagedkv solutions requirements.txt pyproject.toml)
 
 if [ "${1:-}" = "--if-stale" ] && [ -e "$STAMP" ] && [ -e _build/html/index.html ]; then
     changed=$(find "${SOURCES[@]}" -newer "$STAMP" -type f \

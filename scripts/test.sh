@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every test: the package's pytest tests and nbval over every notebook in book/ (one
-# pytest run), then the book build (if a source changed since the last one) and the
-# browser test of each built page. All steps run even if one fails; the exit code is
-# non-zero if any did.
+# Every test: the package's pytest tests, the exercises' solutions and nbval over every
+# notebook in book/ (one pytest run), then the book build (if a source changed since the
+# last one), the browser test of each built page, and every notebook run in JupyterLab in
+# the same browser. All steps run even if one fails; the exit code is non-zero if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -18,11 +18,12 @@ step() {  # step NAME COMMAND...: run, time and record one step
     else
         echo "=== $name: FAILED ($(( $(date +%s) - start )) s)"
         failed+=("$name")
+        return 1
     fi
 }
 
 step "package tests + nbval" python -m pytest tests/ book/ \
-    --ignore=tests/test_book_browser.py \
+    --ignore=tests/test_book_browser.py --ignore=tests/test_jupyterlab.py \
     --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 if step "book build" bash scripts/build_book.sh --if-stale; then
     step "browser test" python -m pytest tests/test_book_browser.py
@@ -30,6 +31,7 @@ else
     echo "=== browser test: not run, the book did not build"
     failed+=("browser test")
 fi
+step "JupyterLab test" python -m pytest tests/test_jupyterlab.py
 
 echo
 if [ ${#failed[@]} -gt 0 ]; then

@@ -176,10 +176,9 @@ def test_exact_layout_and_external_fragmentation():
     regions = mem.exact_layout([4, 6, 4, 6], capacity=20)
     assert [r.start for r in regions] == [0, 4, 10, 14]
     after = [r for r in regions if r.owner in (0, 2)]        # 1 and 3 finish
-    assert mem.free_holes(after, 20) == [(4, 6), (14, 6)]
-    assert mem.first_fit(after, 6, 20) == 4
-    assert mem.first_fit(after, 7, 20) is None               # 12 free, no hole of 7
-    assert mem.layout_summary(after, 20)["free"] == 12
+    s = mem.layout_summary(after, 20)
+    assert s["free"] == 12 and s["largest_hole"] == 6        # holes (4, 6) and (14, 6)
+    assert mem.layout_summary(regions[1:3], 20)["largest_hole"] == 6   # a hole at each end
 
 
 def test_exact_layout_stops_at_capacity():
@@ -202,7 +201,7 @@ def test_layout_rejects_bad_input():
     with pytest.raises(ValueError, match="overlapping"):
         mem.layout_summary([mem.Region(0, 5, 0, 5), mem.Region(4, 2, 1, 1)], 10)
     with pytest.raises(ValueError, match="capacity"):
-        mem.free_holes([mem.Region(8, 5, 0, 5)], 10)
+        mem.layout_summary([mem.Region(8, 5, 0, 5)], 10)
     with pytest.raises(ValueError):
         mem.layout_summary([mem.Region(0, 4, 0, 5)], 10)     # more used than reserved
 
@@ -240,3 +239,21 @@ def test_chapter_one_story_holds():
         m.audit()
         with pytest.raises(OutOfBlocks):
             m.add(7, 64)
+
+
+# ------------------------------------------------------------------------ a pool's words
+def test_draw_words_one_row_per_block_and_a_verdict_each():
+    words = np.arange(4 * 16, dtype=np.uint32).reshape(4, 16) * np.uint32(2**26)
+    fig = mem.draw_words(words, ["intact", "wrong", "intact", "not written"])
+    ax = fig.axes[0]
+    assert len(ax.images) == 1 and ax.images[0].get_array().shape == (4, 16)
+    assert [t.get_text() for t in ax.texts] == ["intact", "wrong", "intact", "not written"]
+    assert ax.images[0].get_array()[1, 1] == (17 * 2**26) >> 24     # the top byte: 68
+
+
+@pytest.mark.parametrize("words, verdicts", [(np.zeros((2, 4), np.uint32), ["a"]),
+                                             (np.zeros(4, np.uint32), ["a"] * 4),
+                                             (np.zeros((0, 4), np.uint32), [])])
+def test_draw_words_rejects_bad_input(words, verdicts):
+    with pytest.raises(ValueError):
+        mem.draw_words(words, verdicts)

@@ -34,8 +34,7 @@ from ..checks import positive_int
 
 __all__ = ["PALETTE", "FREE_COLOR", "FREE", "SHARED", "owner_colors", "draw_pool", "draw_allocator",
            "manager_owners", "draw_manager", "draw_page_tables", "Region", "contiguous_layout",
-           "exact_layout", "paged_layout", "free_holes", "first_fit", "layout_summary",
-           "draw_layouts"]
+           "exact_layout", "paged_layout", "layout_summary", "draw_layouts"]
 
 #: Okabe-Ito colours (without black), for owners in order of first appearance.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442")
@@ -342,32 +341,15 @@ def _check_regions(regions, capacity: int) -> list[Region]:
     return regions
 
 
-def free_holes(regions, capacity: int) -> list[tuple[int, int]]:
-    """The free runs ``(start, size)`` between regions, in address order."""
-    holes, pos = [], 0
-    for r in _check_regions(regions, capacity) + [Region(capacity, 1, None, 0)]:
-        if r.start > pos:
-            holes.append((pos, r.start - pos))
-        pos = r.start + r.size
-    return holes
-
-
-def first_fit(regions, size: int, capacity: int):
-    """Start of the first hole that holds ``size`` contiguous slots, or ``None``."""
-    for start, n in free_holes(regions, capacity):
-        if n >= size:
-            return start
-    return None
-
-
 def layout_summary(regions, capacity: int) -> dict:
     """Slots that hold data, slots reserved but empty, free slots, and the largest free hole."""
     regions = _check_regions(regions, capacity)
-    holes = free_holes(regions, capacity)
+    ends = [0] + [r.start + r.size for r in regions]           # each hole runs from an end
+    starts = [r.start for r in regions] + [capacity]           # to the next region's start
     stored = sum(r.used for r in regions)
     reserved = sum(r.size for r in regions)
-    return {"stored": stored, "reserved_empty": reserved - stored,
-            "free": capacity - reserved, "largest_hole": max((n for _, n in holes), default=0)}
+    return {"stored": stored, "reserved_empty": reserved - stored, "free": capacity - reserved,
+            "largest_hole": max(s - e for e, s in zip(ends, starts))}
 
 
 def draw_layouts(rows, capacity: int, *, ax=None) -> Figure:
@@ -413,4 +395,36 @@ def draw_layouts(rows, capacity: int, *, ax=None) -> Figure:
                 Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
               fontsize=9)
+    return fig
+
+
+# ------------------------------------------------------------------------ a pool's words
+def draw_words(words, verdicts, *, title=None, ax=None) -> Figure:
+    """The first words of each block as a row of colours, with a verdict beside each row.
+
+    ``words`` is a 2-D array (one row per block, NumPy), drawn by each word's top byte, so a
+    hashed pattern looks like noise and two blocks holding the same bytes show the same row.
+    ``verdicts[b]`` is the text written to the right of block ``b``'s row (e.g. "intact").
+    """
+    words = np.asarray(words)
+    if words.ndim != 2 or not words.size:
+        raise ValueError(f"words must be a non-empty 2-D array, got shape {words.shape}")
+    verdicts = [str(v) for v in verdicts]
+    if len(verdicts) != words.shape[0]:
+        raise ValueError(f"{len(verdicts)} verdicts for {words.shape[0]} blocks")
+    rows, cols = words.shape
+    fig, ax = _new_axes(ax, (9, 0.32 * rows + 1.0))
+    top = (words.astype(np.uint64) >> np.uint64(8 * words.dtype.itemsize - 8)).astype(float)
+    ax.imshow(top, aspect="auto", cmap="viridis", interpolation="nearest",
+              extent=(0, cols, rows, 0))
+    ax.set_yticks(np.arange(rows) + 0.5, [f"block {b}" for b in range(rows)], fontsize=9)
+    ax.set_xlabel(f"the first {cols} words of each block (colour: the word's top byte)")
+    for b, text in enumerate(verdicts):
+        ax.text(cols * 1.01, b + 0.5, text, va="center", ha="left", fontsize=9)
+    ax.set_xlim(0, cols)
+    ax.tick_params(axis="x", labelsize=9)
+    for side in ("right", "top"):
+        ax.spines[side].set_visible(False)
+    if title:
+        ax.set_title(title, fontsize=11)
     return fig
