@@ -163,6 +163,10 @@ class PagedKV:
         self.spec, self.block_size = spec, block_size
         self.allocator = BlockAllocator(num_blocks, spec.block_bytes(block_size), xp=xp)
         self.manager = KVCacheManager(self.allocator, block_size)
+        # Fresh memory may hold any bit pattern, NaN included. The slots past a sequence's end
+        # are masked out of attention, but a masked weight 0 times NaN is still NaN in the
+        # NumPy decode path: start from zeros (afterwards unused slots hold old, finite K/V).
+        self.allocator.pool[...] = 0
         pool = self.allocator.pool.view(np.dtype(spec.dtype))
         shape = (spec.layers, num_blocks, 2, block_size, spec.kv_heads, spec.head_dim)
         self.layers = list(pool.reshape(shape))              # views, no copy
