@@ -8,6 +8,7 @@ import importlib.metadata
 import numpy as np
 import pytest
 
+from pagedkv import backend
 from pagedkv.errors import ConfigError
 from pagedkv.model import Llama, LlamaConfig, PagedKV, forward, gguf, random_weights
 from pagedkv.model import llama as llama_mod
@@ -237,3 +238,38 @@ def test_real_model_greedy_paris_and_identical_to_reference(smollm2):
     assert "Paris" in tok.decode(answer)
     assert answer == reference_generate(model, prompt, params, [tok.eos_id])[0].generated
     assert engine.manager.allocator.num_free == 8
+
+
+# ---------------------------------------------------------------------- on a GPU
+
+on_gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no GPU: {backend.reason}")
+
+
+@on_gpu
+def test_cupy_float32_generation_equals_reference(tiny):
+    """The CuPy path (kernels, float32) gives the NumPy oracle's greedy tokens and beams."""
+    from pagedkv.model.generate import Engine, SamplingParams
+    from pagedkv.model.reference import reference_generate
+    gpu = Llama(TINY, random_weights(TINY, SEED), xp=backend.xp, dtype=np.float32)
+    prompts = [p.tolist() for p in _prompts(SEED)]
+    for params in (SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=12,
+                                                                      beam_width=4)):
+        engine = Engine(gpu, num_blocks=300, block_size=16, stop_ids=(0,), audit=True)
+        for req, p in zip(engine.generate(prompts, params), prompts):
+            expect = reference_generate(tiny, p, params, (0,))
+            assert [s.generated for s in req.outputs()] == [s.generated for s in expect]
+            assert np.allclose([s.score for s in req.outputs()], [s.score for s in expect],
+                               atol=1e-3)
+        assert engine.manager.allocator.num_free == 300
+
+
+@on_gpu
+def test_cupy_float16_real_model_names_paris(smollm2):
+    from pagedkv.model.generate import Engine, SamplingParams
+    ckpt, tok, _ = smollm2
+    model = Llama(ckpt.config, ckpt.weights)            # float16 on the GPU
+    assert model.dtype == np.float16
+    engine = Engine(model, num_blocks=8, block_size=16, stop_ids=[tok.eos_id], audit=True)
+    (req,) = engine.generate([tok.chat("What is the capital of France?")],
+                             SamplingParams(max_new_tokens=12))
+    assert "Paris" in tok.decode(req.outputs()[0].generated)

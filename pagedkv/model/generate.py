@@ -170,7 +170,7 @@ class Engine:
 
     def __init__(self, model: Llama, *, num_blocks: int, block_size: int = 16,
                  max_seqs: int = 64, stop_ids=(), prefill_chunk: int = 512,
-                 audit: bool = False):
+                 audit: bool = False, on_step=None):
         self.model = model
         self.kv = PagedKV.for_model(model, num_blocks, block_size)
         self.manager = self.kv.manager
@@ -179,6 +179,7 @@ class Engine:
         self.prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.audit = audit
+        self.on_step = on_step           # called as on_step(engine) after every step
         self.waiting: deque = deque()
         self.running: list = []
         self.finished: list = []
@@ -226,6 +227,8 @@ class Engine:
         if self.audit:
             self.manager.audit()
         self._record()
+        if self.on_step is not None:
+            self.on_step(self)
 
     def run(self) -> list:
         """Step until every request is done; returns them in the order they finished."""
