@@ -11,10 +11,12 @@ SmolLM2-135M-Instruct generating greedily through the paged cache:
   uploads and the Python and launch overhead between them;
 * **tokens/s** of decoding (prefill excluded) at batch 1 and 8 on a CPU, 1, 8 and 64 on a GPU:
   ``batch`` copies of one chat prompt, every sequence decoding ``steps`` tokens;
-* when ``transformers`` (with ``torch``) is importable: the same model loaded from the same GGUF
-  file by ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, its ``generate()``
-  tokens/s at the same batch sizes, and its greedy tokens against ours (float32 on both sides,
-  then the GPU's float16) as a second oracle.
+* when ``transformers`` (with ``torch`` and ``accelerate``, which its GGUF loading needs) is
+  importable: the same model loaded from the same GGUF file by
+  ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, its ``generate()`` decode
+  tokens/s at the same batch sizes (the time of ``max(steps, 16)`` new tokens minus the time of
+  one, medians of 3; one torch thread on a CPU, as for NumPy), and its greedy tokens against ours
+  (float32 on both sides, then the GPU's float16) as a second oracle.
 
 It prints a table; ``--json PATH`` writes every number. The model file comes from ``--gguf``,
 ``$PAGEDKV_GGUF``, or the installed package.
@@ -154,8 +156,10 @@ def hf_tokens_per_second(hf, device, prompt, batch: int, steps: int, eos: int) -
             torch.cuda.synchronize()
         return time.perf_counter() - t
     run(2)                                       # warm-up
-    first = min(run(1) for _ in range(2))        # prefill + one token
-    full = min(run(steps) for _ in range(2))
+    first = statistics.median(run(1) for _ in range(3))      # prefill + one token
+    full = statistics.median(run(steps) for _ in range(3))   # prefill + `steps` tokens
+    if full <= first:                            # too noisy to separate decode from prefill
+        return {"tokens_per_s": float("nan"), "step_ms": float("nan")}
     rate = batch * (steps - 1) / (full - first)
     return {"tokens_per_s": rate, "step_ms": 1e3 * batch / rate}
 
@@ -218,17 +222,19 @@ def run(args) -> dict:
         r["breakdown_ms"][b] = breakdown(model, prompt, b, steps)
         print(f"  pagedkv batch {b:>3}: {r['ours'][b]['tokens_per_s']:9.1f} tokens/s", flush=True)
     try:
-        import torch  # noqa: F401
+        import torch
         import transformers
     except ImportError as exc:
         r["transformers"] = f"not importable ({exc.__class__.__name__}: {exc})"
     else:
         hf_dtype = "float16" if backend.on_gpu else "float32"
+        if not backend.on_gpu:                   # one thread, as for our NumPy path
+            torch.set_num_threads(1)
         hf, device = _hf_model(path, hf_dtype)
         r["transformers"] = {"version": transformers.__version__, "dtype": hf_dtype, "tokens": {}}
         for b in batches:
-            r["transformers"]["tokens"][b] = hf_tokens_per_second(hf, device, prompt, b, steps,
-                                                                  tok.eos_id)
+            r["transformers"]["tokens"][b] = hf_tokens_per_second(hf, device, prompt, b,
+                                                                  max(steps, 16), tok.eos_id)
             print(f"  transformers batch {b:>3}: "
                   f"{r['transformers']['tokens'][b]['tokens_per_s']:9.1f} tokens/s", flush=True)
         n = 12 if args.quick else 32
