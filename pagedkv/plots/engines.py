@@ -43,7 +43,8 @@ def draw_reuse(labels, prompt_lens, found: dict, *, title=None) -> Figure:
     ax.tick_params(axis="y", labelsize=9)
     ax.set_xlabel("request, in arrival order", fontsize=10)
     ax.set_ylabel("prompt tokens", fontsize=10)
-    ax.legend(fontsize=9, loc="upper left", frameon=False)
+    ax.set_ylim(0, 1.3 * max(prompt_lens + [1]))      # room for the legend above the bars
+    ax.legend(fontsize=9, loc="upper left", ncol=len(found) + 1, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     if title:
         ax.set_title(title, fontsize=10)
