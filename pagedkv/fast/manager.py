@@ -146,8 +146,9 @@ class KVCacheManager(StepMixin):
         self._tables = np.full((rows, cols), -1, dtype=np.int32)
         self._tables[:old.shape[0], :old.shape[1]] = old
         grow = rows - len(self._lens)
-        self._lens = np.concatenate([self._lens, np.zeros(grow, np.int32)])
-        self._cow = np.concatenate([self._cow, np.zeros(grow, bool)])
+        if grow:            # a step holds views of _lens and _cow: replace them only here
+            self._lens = np.concatenate([self._lens, np.zeros(grow, np.int32)])
+            self._cow = np.concatenate([self._cow, np.zeros(grow, bool)])
         self._rowbase = np.arange(rows, dtype=np.intp) * cols
 
     # ------------------------------------------------------------------ how many blocks
