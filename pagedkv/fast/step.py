@@ -135,7 +135,7 @@ class StepMixin:
         if need > alloc.num_free:
             raise OutOfBlocks(need, alloc.num_free, f"step of {n} sequences")
         # --- from here on nothing can fail
-        copies = _NO_COPIES
+        copies, last = _NO_COPIES, None        # last: each row's last block, if known
         if need:
             # int32 like the table, so that the indexed write is a copy rather than a cast
             new = alloc._take(need)
@@ -146,16 +146,18 @@ class StepMixin:
                 src = np.array(srcs, dtype=np.int32)
                 alloc._drop_owners(src, unique=False)   # the other owners keep each src
                 copies = np.stack([src, flat[at[pick]]], axis=1)
-            elif k == n:
-                flat[at] = new
+            elif k == n:                       # every row starts a block: no gather needed
+                flat[at] = last = new
             else:
-                flat[at[fresh]] = new[:k]
-        return self._step_finish(ids, rows, lens, flagged, flat[at], off, width, copies)
+                flat[at[fresh]] = new
+        if last is None:
+            last = flat[at]
+        return self._step_finish(ids, rows, lens, flagged, last, off, width, copies)
 
     def _step_copies(self, flat, at, flagged, fresh) -> tuple[list, list]:
         """(batch indices, source blocks) of the rows that must copy their last block. Only
         rows flagged since their last write can; walk those (they are few) in Python."""
-        if not flagged.any():
+        if not np.count_nonzero(flagged):
             return [], []
         cand = np.flatnonzero(flagged & ~fresh)
         if not len(cand):
@@ -169,7 +171,7 @@ class StepMixin:
         """Count the new tokens and build the plan (``blocks``: each row's last block)."""
         n, bs = len(ids), self.block_size
         dense = rows is None
-        if n and flagged.any():
+        if n and np.count_nonzero(flagged):
             if dense:
                 flagged[:] = False             # a view: clears the manager's flags
             else:
@@ -186,7 +188,7 @@ class StepMixin:
             if n:
                 self._longest = max(self._longest, int(seq_lens.max()))
             block_tables = self._tables[rows, :width]
-        slot_mapping = blocks                  # a gather, so ours to scale in place
+        slot_mapping = blocks                  # a new array, ours to scale in place
         slot_mapping *= bs
         slot_mapping += off
         return StepPlan(ids, slot_mapping, block_tables, seq_lens, copies)
