@@ -142,6 +142,7 @@ class BlockAllocator:
         """Drop one owner of each block in ``blocks``, in order (an id may appear once per
         owner dropped). Every id is checked first: a bad one, or more drops than owners,
         raises and frees nothing."""
+        self._check_open()
         ids = self._ids(blocks)
         if not len(ids):
             return
@@ -156,6 +157,7 @@ class BlockAllocator:
     def share_n(self, blocks, times: int = 1) -> None:
         """Add ``times`` owners to each block in ``blocks`` (a fork shares a whole page table).
         All or nothing: if any block is bad or free, raises and shares none."""
+        self._check_open()
         times = positive_int(times, "times")
         ids = self._ids(blocks)
         if not len(ids):
@@ -170,20 +172,16 @@ class BlockAllocator:
         """``blocks`` as checked intp ids. The first bad id, in order, raises as
         :meth:`_check_id` would (the teaching allocator checks them one by one)."""
         if isinstance(blocks, np.ndarray) and blocks.ndim == 1 and blocks.dtype.kind in "iu":
-            if len(blocks):
-                self._check_open()
-                bad = np.flatnonzero((blocks < 0) | (blocks >= self.num_blocks))
-                if len(bad):
-                    self._check_id(blocks[bad[0]])       # raises, naming it
+            bad = np.flatnonzero((blocks < 0) | (blocks >= self.num_blocks))
+            if len(bad):
+                self._check_id(blocks[bad[0]])           # raises, naming it
             return blocks.astype(np.intp)
         ids = list(blocks)
         if not all(type(b) is int for b in ids):         # NumPy scalars, or something bad
             ids = [self._check_id(b) for b in ids]
-        elif ids:
-            self._check_open()
-            if min(ids) < 0 or max(ids) >= self.num_blocks:
-                for b in ids:
-                    self._check_id(b)                    # raises at the first bad one
+        elif ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            for b in ids:
+                self._check_id(b)                        # raises at the first bad one
         return np.array(ids, dtype=np.intp)
 
     # ------------------------------------------------------------------ the fast manager's calls
