@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from pagedkv import allocator, fast
-from pagedkv.errors import (AllocatorClosed, AuditError, ConfigError, DoubleFree, InvalidBlock,
-                            OutOfBlocks)
+from pagedkv.errors import AllocatorClosed, ConfigError, DoubleFree, InvalidBlock, OutOfBlocks
 
 IMPLS = [pytest.param(allocator.BlockAllocator, id="teaching"),
          pytest.param(fast.BlockAllocator, id="fast")]

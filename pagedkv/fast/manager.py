@@ -27,7 +27,7 @@ import numpy as np
 from ..checks import cdiv, count, positive_int
 from ..errors import (AuditError, ConfigError, DuplicateSequence, OutOfBlocks, SequenceExists,
                       UnknownSequence)
-from ..manager import CacheStats, Plan, StepPlan
+from ..manager import CacheStats, Plan
 from ..page_table import PageTable, slots_of
 from .allocator import BlockAllocator
 from .step import StepMixin
