@@ -64,12 +64,13 @@ class BlockAllocator:
     # The memory side (and the id check) is the teaching allocator's own code, unchanged.
     _check_open, _check_id = _Teaching._check_open, _Teaching._check_id
     pool_bytes, closed = _Teaching.pool_bytes, _Teaching.closed
-    view, block_view, block_address = _Teaching.view, _Teaching.block_view, _Teaching.block_address
-    __enter__, __exit__, __repr__ = _Teaching.__enter__, _Teaching.__exit__, _Teaching.__repr__
+    view, block_view = _Teaching.view, _Teaching.block_view
+    block_address, __repr__ = _Teaching.block_address, _Teaching.__repr__
+    __enter__, __exit__ = _Teaching.__enter__, _Teaching.__exit__
 
     # ------------------------------------------------------------------ one block
     def allocate(self) -> int:
-        """Pop a free block, give it one owner, return its id. Raises :class:`OutOfBlocks`."""
+        """Pop a free block, give it one owner, return its id (or raise OutOfBlocks)."""
         try:
             b = self._hot.pop()
         except IndexError:
@@ -79,7 +80,7 @@ class BlockAllocator:
         return b
 
     def free(self, block: int) -> None:
-        """Drop one owner of ``block``; when the last one goes, push it onto the free stack."""
+        """Drop one owner of ``block``; the last one gone, push it on the free stack."""
         solo = self._solo
         try:  # the common case, kept short: a plain int whose one owner lets go
             if solo[block] == block and type(block) is int:
@@ -91,8 +92,8 @@ class BlockAllocator:
         self._free_slow(block)
 
     def _free_slow(self, block) -> None:
-        """``free`` for everything else: a shared or batch-taken block, a NumPy integer, a bad
-        id, a block that is already free, a closed allocator."""
+        """``free`` for everything else: a shared or batch-taken block, a NumPy integer,
+        a bad id, a block that is already free, a closed allocator."""
         b = self._check_id(block)
         if self._solo[b] == b:
             self._solo[b] = None
@@ -107,7 +108,7 @@ class BlockAllocator:
             self._hot.append(b)
 
     def _refill(self) -> None:
-        """Move the top ``REFILL`` ids of ``_stack`` onto the empty ``_hot``, in stack order."""
+        """Move the top ``REFILL`` ids of ``_stack`` onto the empty ``_hot``, in order."""
         self._check_open()
         top = self._top
         if not top:
@@ -128,7 +129,7 @@ class BlockAllocator:
         else:
             self._ref[b] += 1
 
-    # ------------------------------------------------------------------ many blocks, all or nothing
+    # ------------------------------------------------------------------ many, all or nothing
     def allocate_n(self, n: int) -> list[int]:
         """``n`` blocks, in the order ``n`` calls of :meth:`allocate` would give them. If fewer
         than ``n`` are free, raises :class:`OutOfBlocks` and takes none."""
@@ -184,12 +185,12 @@ class BlockAllocator:
                 self._check_id(b)                        # raises at the first bad one
         return np.array(ids, dtype=np.intp)
 
-    # ------------------------------------------------------------------ the fast manager's calls
-    # The ids are unchecked: the manager's invariants guarantee allocated ones (see its audit).
+    # ------------------------------------------------------------------ the manager's calls
+    # Unchecked ids: the manager's invariants guarantee allocated ones (see its audit).
     def _pop(self, n: int) -> np.ndarray:
-        """Take the top ``n`` ids off the stack (``0 < n <= num_free``) with one owner each in
-        ``_ref``. Returns a view of the stack, bottom first, valid until the next push. The
-        stack holds intp ids: NumPy scatters through intp indices fastest."""
+        """Take the top ``n`` ids off the stack (``0 < n <= num_free``), with one owner
+        each in ``_ref``. Returns a view of the stack, bottom first, valid until the next
+        push. The stack holds intp ids: NumPy scatters through intp indices fastest."""
         self._check_open()
         if self._hot:
             self._spill()
@@ -201,12 +202,12 @@ class BlockAllocator:
         return ids
 
     def _take(self, n: int) -> np.ndarray:
-        """``n`` new blocks as int32 (the block tables' type), the top of the stack first: the
-        order of ``n`` calls of :meth:`allocate`."""
+        """``n`` new blocks as int32 (the block tables' type), the top of the stack
+        first: the order of ``n`` calls of :meth:`allocate`."""
         return self._pop(n)[::-1].astype(np.int32)
 
     def _take_list(self, n: int) -> list[int]:
-        """``_take`` as a list of Python ints, for a caller about to loop over a few ids."""
+        """``_take`` as a list of Python ints, for a caller that loops over a few."""
         out = self._pop(n).tolist()
         out.reverse()
         return out
@@ -221,8 +222,9 @@ class BlockAllocator:
         self._ref[ids] += times
 
     def _drop_owners(self, ids: np.ndarray, unique: bool = True) -> None:
-        """``free_n`` without the checks (``unique``: no id appears twice). Blocks that lose
-        their last owner are pushed in the order of their last mention, as ``free_n`` does."""
+        """``free_n`` without the checks (``unique``: no id appears twice). Blocks that
+        lose their last owner are pushed in the order of their last mention, as in
+        ``free_n``."""
         if not len(ids):
             return
         self._check_open()
@@ -250,14 +252,15 @@ class BlockAllocator:
         counts = self._ref[ids]
         if self._num_solo():
             solo = self._solo
-            counts = counts + np.array([solo[b] == b for b in ids.tolist()], dtype=np.int64)
+            is_solo = [solo[b] == b for b in ids.tolist()]
+            counts = counts + np.array(is_solo, dtype=np.int64)
         return counts
 
     def _num_solo(self) -> int:
         return self.num_blocks - self._top - len(self._hot) - self._bulk_used
 
     def _promote(self, ids: np.ndarray) -> None:
-        """Move the counts of any solo blocks among ``ids`` into ``_ref``, where the batched
+        """Move the counts of any solo blocks among ``ids`` into ``_ref``, where batched
         calls work. In O(1) when no block is solo (the fast manager never makes one)."""
         if self._num_solo():
             solo, ref = self._solo, self._ref
@@ -268,7 +271,7 @@ class BlockAllocator:
                     self._bulk_used += 1
 
     def _spill(self) -> None:
-        """Move ``_hot`` onto ``_stack``, in order, so the whole free stack is in NumPy."""
+        """Move ``_hot`` onto ``_stack``, in order: the whole free stack in NumPy."""
         hot = self._hot
         if hot:
             top = self._top
