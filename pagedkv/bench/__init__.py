@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import cProfile
 import functools
+import platform
 import pstats
 import statistics
 import time
@@ -20,8 +21,8 @@ import numpy as np
 from .. import allocator, fast, manager
 
 __all__ = ["BLOCK_SIZE", "IMPLEMENTATIONS", "new_manager", "decode_batch", "copy_manager",
-           "time_us", "median_us", "bench_alloc_free", "bench_decode_step", "bench_fork_beams",
-           "own_time_by_module"]
+           "time_us", "median_us", "step_times", "bench_alloc_free", "bench_decode_step",
+           "bench_fork_beams", "profile_rows", "own_time_by_module", "cpu_name"]
 
 BLOCK_SIZE = 16
 IMPLEMENTATIONS = {"teaching": (allocator.BlockAllocator, manager.KVCacheManager),
@@ -89,20 +90,31 @@ def bench_alloc_free(impl: str, repeat: int, n: int = 200_000) -> list[float]:
     return [loop(n) for _ in range(repeat)]
 
 
+def step_times(batch, repeat: int, step=None) -> list[float]:
+    """Microseconds of the step that needs a new block in every sequence of a
+    :func:`decode_batch`, on ``repeat`` copies of it. ``step(m)`` takes the step (default
+    ``m.step()``)."""
+    out = []
+    for _ in range(repeat):
+        m = copy_manager(batch)
+        m.step()                               # token 512: fills every last block
+        out.append(time_us(functools.partial(step or type(m).step, m)))   # 513: new blocks
+        del m                                  # before the next copy is made
+    return out
+
+
 def bench_decode_step(impl: str, repeat: int, loop_steps: int = 0):
     """Microseconds of the step that needs a new block in every sequence, right after the
     batch is set up (``repeat`` times); with ``loop_steps``, also the steps of a decode loop
-    that continues from the last one: (boundary steps, the others)."""
+    that continues from one more copy: (first steps, loop steps with new blocks, the
+    others)."""
     built = decode_batch(impl)
-    first, boundary, plain = [], [], []
-    for r in range(repeat):
-        m = copy_manager(built)
-        m.step()                               # token 512: fills every last block
-        first.append(time_us(m.step))           # token 513: a new block for every sequence
-        for _ in range(loop_steps if r == repeat - 1 else 0):
-            new_block = m.num_tokens(0) % BLOCK_SIZE == 0
-            (boundary if new_block else plain).append(time_us(m.step))
-        del m
+    first = step_times(built, repeat)
+    m = copy_manager(built)
+    boundary, plain = [], []
+    for _ in range(loop_steps):
+        new_block = m.num_tokens(0) % BLOCK_SIZE == 0
+        (boundary if new_block else plain).append(time_us(m.step))
     return first, boundary, plain
 
 
@@ -121,21 +133,40 @@ def bench_fork_beams(impl: str, repeat: int) -> list[float]:
             for _ in range(repeat)]
 
 
-
-
-def own_time_by_module(call) -> dict:
-    """Run ``call()`` under cProfile and add up each function's own time (not counting what it
-    calls) by where the function lives: a module of pagedkv, NumPy (its C methods and its
-    Python), or Python's built-ins. Seconds, largest first; the profiler's overhead is in."""
+def profile_rows(call) -> list[tuple[str, str, int, float]]:
+    """Run ``call()`` under cProfile: (where, function, calls, own seconds) for each function
+    it ran, the largest own time (not counting what the function calls) first. ``where`` is a
+    module of pagedkv, "NumPy" (its C methods and its Python) or "Python built-ins". The
+    profiler adds its own cost to every call, so these add up to more than a plain timing."""
     profile = cProfile.Profile()
     profile.runcall(call)
-    out: dict = {}
-    for (file, _, name), (_, _, own, _, _) in pstats.Stats(profile).stats.items():
+    rows = []
+    for (file, _, name), (_, calls, own, _, _) in pstats.Stats(profile).stats.items():
         if "pagedkv" in file:
             where = "pagedkv/" + file.replace("\\", "/").split("/pagedkv/", 1)[1]
         elif "numpy" in file or "numpy" in name:
             where = "NumPy"
         else:
             where = "Python built-ins"
+        rows.append((where, name, calls, own))
+    return sorted(rows, key=lambda row: -row[3])
+
+
+def own_time_by_module(rows) -> dict:
+    """:func:`profile_rows` summed by where the functions live (seconds, largest first)."""
+    out: dict = {}
+    for where, _, _, own in rows:
         out[where] = out.get(where, 0.0) + own
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def cpu_name() -> str:
+    """The processor's model name, for saying where a timing was taken."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

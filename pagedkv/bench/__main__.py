@@ -35,7 +35,7 @@ import sys
 
 import numpy as np
 
-from . import BLOCK_SIZE, bench_alloc_free, bench_decode_step, bench_fork_beams
+from . import BLOCK_SIZE, bench_alloc_free, bench_decode_step, bench_fork_beams, cpu_name
 
 
 def run(repeat: int = 7) -> dict:
@@ -56,20 +56,9 @@ def run(repeat: int = 7) -> dict:
     put("fork_beams_us", bench_fork_beams("fast", 20 * repeat))
     put("teaching_fork_beams_us", bench_fork_beams("teaching", 20 * repeat))
     r.update(python=platform.python_version(), numpy=np.__version__, machine=platform.machine(),
-             cpu=_cpu_name(), date=datetime.datetime.now(datetime.timezone.utc)
+             cpu=cpu_name(), date=datetime.datetime.now(datetime.timezone.utc)
              .strftime("%Y-%m-%d %H:%M UTC"))
     return r
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 ROWS = [("one block allocated and freed", "alloc_free_ns", "ns"),

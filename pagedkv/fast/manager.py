@@ -56,12 +56,13 @@ class KVCacheManager(StepMixin):
                               f"{type(allocator).__module__}.{type(allocator).__name__}")
         self.block_size = bs = positive_int(block_size, "block_size")
         if allocator.block_bytes % bs:
-            raise ConfigError(f"a block of {allocator.block_bytes} bytes does not hold a whole "
-                              f"number of tokens at {bs} tokens per block")
+            raise ConfigError(f"a block of {allocator.block_bytes} bytes does not hold a "
+                              f"whole number of tokens at {bs} tokens per block")
         if allocator.num_blocks * bs >= 2**31:
             raise ConfigError("the pool has 2**31 or more token slots; slots are int32")
         if allocator.num_used:
-            raise ConfigError("the allocator already has blocks in use; a manager needs it whole")
+            raise ConfigError("the allocator already has blocks in use; a manager needs "
+                              "it whole")
         rows = positive_int(max_seqs, "max_seqs")
         cols = cdiv(positive_int(max_seq_len, "max_seq_len"), bs)
         self.allocator = allocator
@@ -69,7 +70,7 @@ class KVCacheManager(StepMixin):
         self._tables = np.full((rows, cols), -1, dtype=np.int32)
         self._lens = np.zeros(rows, dtype=np.int32)
         self._cow = np.zeros(rows, dtype=bool)
-        self._rowbase = np.arange(rows, dtype=np.intp) * cols   # flat index of each row's start
+        self._rowbase = np.arange(rows, dtype=np.intp) * cols   # where each row starts
         self._ids: list = []          # row -> sequence id
         self._row_of: dict = {}       # sequence id -> row
         self._longest = 0             # length of the longest live sequence
@@ -251,7 +252,7 @@ class KVCacheManager(StepMixin):
         length = int(self._lens[row])
         self.allocator._drop_owners(self._blocks(row))
         last = len(self._ids) - 1
-        if row != last:                      # keep rows dense: move the last row into the hole
+        if row != last:                      # keep rows dense: the last row fills the hole
             moved = self._ids[last]
             self._tables[row] = self._tables[last]
             self._lens[row] = self._lens[last]
