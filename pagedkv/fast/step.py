@@ -40,15 +40,17 @@ class StepMixin:
             return self._step(ids, None)
         ids = list(seq_ids)
         try:
-            row_of = self._row_of
-            rows = [row_of[s] for s in ids]
+            rows = list(map(self._row_of.__getitem__, ids))
         except (KeyError, TypeError):
             rows = [self._row(s) for s in ids]           # raises, naming the sequence
-        if len(set(rows)) != len(rows):
-            raise DuplicateSequence("a sequence appears more than once in one step")
         if len(ids) <= self.small_batch:
+            if len(set(rows)) != len(rows):
+                raise DuplicateSequence("a sequence appears more than once in one step")
             return self._step_few(ids, rows)
-        return self._step(ids, np.array(rows, dtype=np.intp))
+        rows = np.fromiter(rows, dtype=np.intp, count=len(rows))
+        if len(rows) and np.bincount(rows).max() > 1:
+            raise DuplicateSequence("a sequence appears more than once in one step")
+        return self._step(ids, rows)
 
     def _copy_sources(self, blocks: list, counts: list) -> list:
         """For rows whose partly filled last blocks are ``blocks`` with owner counts
