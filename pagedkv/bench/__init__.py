@@ -39,8 +39,8 @@ def new_manager(impl: str, num_blocks: int, **hints):
 
 def decode_batch(impl: str, num_seqs: int = 1024, seq_len: int = 511):
     """The decode trace's batch: ``num_seqs`` sequences of ``seq_len`` tokens. With the
-    default 511, one step fills every last block and the step after it needs a new block for
-    every sequence."""
+    default 511, one step fills every last block and the step after it needs a new block
+    for every sequence."""
     m = new_manager(impl, num_seqs * (seq_len // BLOCK_SIZE + 16), max_seqs=num_seqs,
                     max_seq_len=2048)
     for s in range(num_seqs):
@@ -92,13 +92,13 @@ def bench_alloc_free(impl: str, repeat: int, n: int = 200_000) -> list[float]:
 
 def step_times(batch, repeat: int, step=None) -> list[float]:
     """Microseconds of the step that needs a new block in every sequence of a
-    :func:`decode_batch`, on ``repeat`` copies of it. ``step(m)`` takes the step (default
-    ``m.step()``)."""
+    :func:`decode_batch`, on ``repeat`` copies of it. ``step(m)`` takes the step
+    (default ``m.step()``)."""
     out = []
     for _ in range(repeat):
         m = copy_manager(batch)
         m.step()                               # token 512: fills every last block
-        out.append(time_us(functools.partial(step or type(m).step, m)))   # 513: new blocks
+        out.append(time_us(functools.partial(step or type(m).step, m)))  # 513: new blocks
         del m                                  # before the next copy is made
     return out
 
