@@ -11,9 +11,11 @@ back through its page table must equal the model's tokens.
 
 The same machine runs against both implementations, the teaching core (pagedkv.manager) and
 the fast path (pagedkv.fast), so each is checked against the model on its own. Hypothesis runs
-derandomized (a fixed seed derived from the test's name), so CI runs the same 100,000+ steps
-every time; on failure it prints the shortest sequence of rules that breaks and the blob that
-reproduces it (``@reproduce_failure``).
+derandomized (a fixed seed derived from the test), so every run replays the same kind of
+sequences; on failure it prints the shortest sequence of rules that breaks and the blob that
+reproduces it (``@reproduce_failure``). The number of checked states still moves by a few
+percent with what else the process has run before (285 runs gave 49,295 and 50,836 states for
+the fast manager in two pytest sessions), so the runs are sized for 50,000 each with margin.
 """
 import itertools
 
@@ -29,7 +31,7 @@ from pagedkv.errors import (ConfigError, DuplicateSequence, OutOfBlocks, Sequenc
                             UnknownSequence)
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
-STEPS_PER_RUN, RUNS = 200, 285      # per implementation: about 52,000 checked states each
+STEPS_PER_RUN, RUNS = 200, 305      # per implementation: about 54,000 checked states each
 
 
 class Block:
