@@ -298,6 +298,7 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
+        self._check_open()              # a closed pool has nothing to hand out
         return self._top + len(self._hot)
 
     @property
