@@ -44,6 +44,16 @@ def parallel_blocks(prompt: int, output: int, n: int, block_size: int) -> tuple[
     return used, unshared
 
 
+def beam_schedule(seed: int, steps: int, width: int, *, alpha: float = 0.3, vocab: int = 64):
+    """The schedule of ``sim.beam_search`` run with ``np.random.default_rng(seed)``: its
+    parents at every step, from the same random draws (the choice does not depend on blocks)."""
+    rng, scores, schedule = np.random.default_rng(seed), np.zeros(1), []
+    for _ in range(steps):
+        parents, scores = sim.beam_children(rng, scores, width, alpha, vocab)
+        schedule.append(parents.tolist())
+    return schedule
+
+
 # ------------------------------------------------------------------------------------ checks
 def _run_schedule(prompt, block_size, schedule):
     """Beam search driven by ``schedule`` on a real manager, as ``sim.beam_search`` runs it:
@@ -93,10 +103,7 @@ def check_count_copies(impl=count_copies, seed=6, trials=200):
         assert impl(prompt, 4, schedule) == (n - 1) * (prompt % 4 != 0)
     kv = sim.PagedKV(96 * sim.SIM_SPEC.block_bytes(4), 4, write=False)
     sim.beam_search(kv, 0, 10, 30, 4, np.random.default_rng(0))
-    draws, scores, schedule = np.random.default_rng(0), np.zeros(1), []
-    for _ in range(30):
-        parents, scores = sim.beam_children(draws, scores, 4, 0.3, 64)
-        schedule.append(parents.tolist())
+    schedule = beam_schedule(0, 30, 4)
     assert impl(10, 4, schedule) == kv.copies, (impl(10, 4, schedule), kv.copies)
     return {"seed": seed, "schedules": trials, "copies in the chapter's search": kv.copies}
 
