@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 
+from pagedkv import backend
 from pagedkv.model import Batch, Llama, LlamaConfig, PagedKV, forward, random_weights
 from pagedkv.model.generate import SamplingParams
 from pagedkv.model.reference import reference_generate
@@ -45,7 +46,7 @@ def greedy_paged(model: Llama, prompt, max_new_tokens: int, *, num_blocks: int =
     batch, out = _prefill(kv.manager, prompt), []
     while True:
         logits = forward(model, kv, batch)                  # of the last token fed
-        out.append(int(np.asarray(logits).argmax()))
+        out.append(int(backend.to_numpy(logits).argmax()))
         if len(out) == max_new_tokens:
             break
         plan = kv.manager.step([0])                         # a slot for the token just chosen
