@@ -16,25 +16,25 @@ __all__ = ["count_copies", "parallel_blocks"]
 
 def count_copies(prompt: int, block_size: int, schedule) -> int:
     """The copy-on-write copies of a beam search whose step ``s`` keeps the beams
-    ``schedule[s]``: for each beam after the step, the index of its parent among the beams
-    before it (a parent's first child continues it, the others fork from it).
+    ``schedule[s]``: for each beam after the step, the index of its parent among
+    the beams before it (a parent's first child continues it, the others fork).
 
-    After any step every beam has a last block of its own (it copied, took a new block, or
-    was the last sharer and wrote in place), so a step's sharers are the children of one
-    parent: k children of a partly filled last block make k - 1 copies."""
+    After any step every beam has a last block of its own (it copied, took a new
+    block, or was the last sharer and wrote in place), so a step's sharers are the
+    children of one parent: k children of a partly filled block make k - 1 copies."""
     copies, length = 0, prompt
     for parents in schedule:
-        if length % block_size:                          # the last block is partly filled
+        if length % block_size:                     # the last block is partly filled
             copies += len(parents) - len(set(parents))
         length += 1
     return copies
 
 
-def parallel_blocks(prompt: int, output: int, n: int, block_size: int) -> tuple[int, int]:
-    """(blocks in use, blocks without sharing), each summed over the ``output`` steps, for
-    ``n`` samples of one prompt: what ``sim.parallel_sampling`` measures. The prompt's full
-    blocks stay shared; a partly filled last prompt block is copied at the first step, so
-    every sample owns the rest of its blocks."""
+def parallel_blocks(prompt: int, output: int, n: int, block_size: int):
+    """(blocks in use, blocks without sharing), each summed over the ``output``
+    steps, for ``n`` samples of one prompt: what ``sim.parallel_sampling`` measures.
+    The prompt's full blocks stay shared; a partly filled last prompt block is
+    copied at the first step, so every sample owns the rest of its blocks."""
     shared = prompt // block_size
     used = unshared = 0
     for length in range(prompt + 1, prompt + output + 1):

@@ -13,10 +13,11 @@ __all__ = ["write_kv_numpy", "merge_partials"]
 
 
 def write_kv_numpy(cache, k, v, slot_mapping):
-    """Token ``t``'s K and V rows go to slot ``slot_mapping[t]`` of ``cache``, laid out
-    ``[num_blocks, 2, block_size, kv_heads, head_dim]``: block ``slot // block_size``, row
-    ``slot % block_size``, K at index 0 of axis 1 and V at 1. A negative slot is padding and is
-    skipped; a slot past the last one is refused before anything is written."""
+    """Token ``t``'s K and V rows go to slot ``slot_mapping[t]`` of ``cache``, laid
+    out ``[num_blocks, 2, block_size, kv_heads, head_dim]``: block
+    ``slot // block_size``, row ``slot % block_size``, K at index 0 of axis 1 and V
+    at 1. A negative slot is padding and is skipped; a slot past the last one is
+    refused before anything is written."""
     num_blocks, _, block_size = cache.shape[:3]
     slots = np.asarray(slot_mapping)
     if slots.size and slots.max() >= num_blocks * block_size:
@@ -32,13 +33,14 @@ def write_kv_numpy(cache, k, v, slot_mapping):
 def merge_partials(o1, lse1, o2, lse2):
     """Attention over tokens A and B from attention over each alone.
 
-    ``o1`` [heads, D] is the softmax-weighted sum of A's V rows, normalised over A alone, and
-    ``lse1`` [heads] the log of A's sum of ``exp(score)`` (``-inf`` when A is empty, ``o1``
-    then 0); the same for B. The whole softmax weighs each part by its share of the total sum,
-    ``exp(lse_i - lse)``, with ``lse = log(exp(lse1) + exp(lse2))`` computed from the larger
-    one so nothing overflows. Returns (o, lse)."""
+    ``o1`` [heads, D] is the softmax-weighted sum of A's V rows, normalised over A
+    alone, and ``lse1`` [heads] the log of A's sum of ``exp(score)`` (``-inf`` when
+    A is empty, ``o1`` then 0); the same for B. The whole softmax weighs each part
+    by its share of the total, ``exp(lse_i - lse)``, with
+    ``lse = log(exp(lse1) + exp(lse2))`` computed from the larger one so that
+    nothing overflows. Returns (o, lse)."""
     m = np.maximum(lse1, lse2)
-    safe = np.where(np.isneginf(m), 0.0, m)               # both parts empty: no weight at all
+    safe = np.where(np.isneginf(m), 0.0, m)          # both empty: no weight at all
     w1, w2 = np.exp(lse1 - safe), np.exp(lse2 - safe)
     total = w1 + w2
     o = np.divide(w1[:, None] * o1 + w2[:, None] * o2, total[:, None],

@@ -16,11 +16,11 @@ __all__ = ["kv_spec_from_hf", "greedy_paged"]
 
 
 def kv_spec_from_hf(config: dict) -> KVSpec:
-    """The KV cache's shape for a Llama-style Hugging Face ``config.json`` (as a dict).
+    """The KV cache's shape for a Llama-style Hugging Face ``config.json`` (a dict).
 
-    A config without ``num_key_value_heads`` is multi-head attention: as many K/V heads as query
-    heads. A config without ``head_dim`` splits ``hidden_size`` evenly over the query heads;
-    one that has it may say otherwise (Qwen3 does)."""
+    A config without ``num_key_value_heads`` is multi-head attention: as many K/V
+    heads as query heads. A config without ``head_dim`` splits ``hidden_size``
+    evenly over the query heads; one that has it may say otherwise (Qwen3 does)."""
     heads = config["num_attention_heads"]
     return KVSpec(layers=config["num_hidden_layers"],
                   kv_heads=config.get("num_key_value_heads", heads),
@@ -40,8 +40,9 @@ def _prefill(manager, prompt) -> Batch:
 
 def greedy_paged(model: Llama, prompt, max_new_tokens: int, *, num_blocks: int = 64,
                  block_size: int = 16) -> list:
-    """Greedy decoding of one prompt on the paged cache, without the engine: a prefill pass,
-    then for every new token one manager step and one forward pass. Returns the new tokens."""
+    """Greedy decoding of one prompt on the paged cache, without the engine: a
+    prefill pass, then for every new token one manager step and one forward pass.
+    Returns the new tokens."""
     kv = PagedKV.for_model(model, num_blocks, block_size)
     batch, out = _prefill(kv.manager, prompt), []
     while True:
@@ -49,11 +50,11 @@ def greedy_paged(model: Llama, prompt, max_new_tokens: int, *, num_blocks: int =
         out.append(int(backend.to_numpy(logits).argmax()))
         if len(out) == max_new_tokens:
             break
-        plan = kv.manager.step([0])                         # a slot for the token just chosen
-        batch = Batch(tokens=np.array(out[-1:], np.int32), positions=plan.seq_lens - 1,
-                      slots=plan.slot_mapping, query_lens=np.ones(1, np.int32),
-                      seq_lens=plan.seq_lens, block_tables=plan.block_tables,
-                      copies=plan.copies)
+        plan = kv.manager.step([0])           # a slot for the token just chosen
+        batch = Batch(tokens=np.array(out[-1:], np.int32),
+                      positions=plan.seq_lens - 1, slots=plan.slot_mapping,
+                      query_lens=np.ones(1, np.int32), seq_lens=plan.seq_lens,
+                      block_tables=plan.block_tables, copies=plan.copies)
     kv.manager.free(0)
     kv.manager.audit()
     return out

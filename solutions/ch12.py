@@ -28,8 +28,9 @@ class TailFirst(PrefixCachingManager):
 
 
 def cache_then_take(manager_class, taken: int, bs: int = 4, full_blocks: int = 8):
-    """Cache a prompt of `full_blocks` full blocks and one more token, free it, then let an
-    unrelated request take `taken` of its blocks and leave. Returns (manager, prompt)."""
+    """Cache a prompt of `full_blocks` full blocks and one more token, free it,
+    then let an unrelated request take `taken` of its blocks and leave. Returns
+    (manager, prompt)."""
     m = manager_class(BlockAllocator(full_blocks + 1, bs * 4), bs)
     prompt = list(range(full_blocks * bs + 1))
     m.add("a", prompt)
@@ -40,8 +41,8 @@ def cache_then_take(manager_class, taken: int, bs: int = 4, full_blocks: int = 8
 
 
 def found_again(manager_class, taken: int, bs: int = 4, full_blocks: int = 8) -> int:
-    """The experiment of `cache_then_take`, then the prompt admitted again: the number of
-    its tokens found in the cache."""
+    """The experiment of `cache_then_take`, then the prompt admitted again: the
+    number of its tokens found in the cache."""
     m, prompt = cache_then_take(manager_class, taken, bs, full_blocks)
     found = m.add("a again", prompt).cached_tokens
     m.audit()
@@ -98,8 +99,9 @@ class RadixTree:
 
 
 def chat_trace(seed: int = 0, conversations: int = 4, turns: int = 2) -> list:
-    """Conversations that share a system prompt of 37 tokens, each turn's prompt being the
-    whole conversation so far plus a question: a list of (request, prompt, answer)."""
+    """Conversations that share a system prompt of 37 tokens, each turn's prompt
+    being the whole conversation so far plus a question: a list of (request,
+    prompt, answer)."""
     rng = np.random.default_rng(seed)
     system = rng.integers(0, 1000, 37).tolist()
     history, trace = {}, []
@@ -114,8 +116,8 @@ def chat_trace(seed: int = 0, conversations: int = 4, turns: int = 2) -> list:
 
 
 def replay(trace, block_size: int, tree=None) -> list:
-    """Per request: (name, prompt length, found by the radix tree, found by us). Both leave
-    the prompt's last token to compute: the tree matches all but that token."""
+    """Per request: (name, prompt length, found by the radix tree, found by us).
+    Both leave the prompt's last token to compute: the tree matches all but it."""
     manager = PrefixCachingManager(BlockAllocator(4096, block_size * 4), block_size)
     tree, rows = RadixTree() if tree is None else tree, []
     for name, prompt, answer in trace:
@@ -133,9 +135,10 @@ def replay(trace, block_size: int, tree=None) -> list:
 
 # ------------------------------------------------------------------------------- the solutions
 def orphans(cache) -> list:
-    """The idle blocks of a :class:`~pagedkv.prefix_cache.CachedBlocks` that no lookup can
-    reach any more: a lookup walks a chain from its first block, so a block is lost once any
-    block before it in its chain (followed by parent serial numbers) is no longer cached."""
+    """The idle blocks of a :class:`~pagedkv.prefix_cache.CachedBlocks` that no
+    lookup can reach any more: a lookup walks a chain from its first block, so a
+    block is lost once any block before it in its chain (followed by parent serial
+    numbers) is no longer cached."""
     by_serial = {entry.serial: entry for entry in cache._entry.values()}
 
     def reachable(entry) -> bool:
@@ -149,15 +152,16 @@ def orphans(cache) -> list:
 
 
 def window_blocks(num_tokens: int, window: int, block_size: int) -> range:
-    """The logical blocks a sliding-window layer keeps after `num_tokens` tokens: those that
-    hold any of the last `window` tokens, positions max(0, n - window) to n - 1."""
+    """The logical blocks a sliding-window layer keeps after `num_tokens` tokens:
+    those that hold any of the last `window` tokens, positions max(0, n - window)
+    to n - 1."""
     first = max(0, num_tokens - window)
     return range(first // block_size, cdiv(num_tokens, block_size))
 
 
 class PagedRadixTree(RadixTree):
-    """A radix tree whose matches count whole pages of `page_size` tokens only, as SGLang's
-    does with pages larger than a token."""
+    """A radix tree whose matches count whole pages of `page_size` tokens only, as
+    SGLang's does with pages larger than a token."""
 
     def __init__(self, page_size: int):
         super().__init__()
