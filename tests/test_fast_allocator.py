@@ -22,7 +22,7 @@ def bad_ids(n=N):
 
 
 def state(a):
-    return a.free_blocks(), a.refcounts().tolist(), a.num_free
+    return a.free_blocks(), a.refcounts().tolist(), a.num_used
 
 
 def four_allocated(make, how):
@@ -106,7 +106,7 @@ def test_closed_allocator(make):
     before = state(a)
     a.close()
     assert a.closed and state(a) == before                # still readable
-    for call in (a.allocate, lambda: a.allocate_n(1), lambda: a.free(solo),
+    for call in (a.allocate, lambda: a.allocate_n(1), lambda: a.num_free, lambda: a.free(solo),
                  lambda: a.free(bulk), lambda: a.share(solo), lambda: a.free_n([bulk]),
                  lambda: a.share_n([solo]), lambda: a.refcount(0), a.audit,
                  lambda: a.view(np.uint8, (64,)), lambda: a.block_view(0)):
