@@ -12,7 +12,8 @@ remembers its parent's *serial number*, a counter that is never reused).
 adds the cache. Its state, besides the allocator::
 
     _block_of   hash -> block: the index of cached blocks
-    _entry      block -> Entry(hash, tokens, serial, parent serial): what a cached block holds
+    _entry      block -> Entry(hash, tokens, serial, parent serial, parent hash): what a
+                cached block holds
     _idle       cached blocks that no sequence maps, least recently used first
 
 An idle block is owned by the cache: the allocator counts it with one owner, so the allocator's
@@ -20,10 +21,14 @@ own invariants hold unchanged, while to everyone else it is free (``num_free`` c
 ``refcount`` says 0). A fresh block comes from the allocator's free stack while it has one;
 after that the least recently used idle block is evicted (its hash forgotten, so it can never
 answer to it again). Invariants, checked by :meth:`CachedBlocks.audit`: every index entry names a
-block whose entry has that hash; every idle block is cached and has exactly one owner.
+block whose entry has that hash, and that hash is the chained hash of the entry's tokens; every
+idle block is cached and has exactly one owner.
 
 :class:`PrefixCachingManager` is the :class:`~pagedkv.manager.KVCacheManager` over such a pool.
-Its calls take token ids instead of counts, since a block is named by its tokens.
+Its calls take token ids instead of counts, since a block is named by its tokens. A sequence
+frees its blocks last one first, so that its tail is evicted before its head (a cached block is
+only found through the blocks before it). With ``caching=False`` it keeps the token ids but
+caches nothing: the same engine code runs with and without the cache.
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ class Entry(NamedTuple):
     tokens: tuple        # the block's own tokens
     serial: int          # unique to this caching of this block
     parent: int          # the serial of the block before it (0: the sequence's first block)
+    parent_hash: int     # the hash it was chained from (0: the sequence's first block)
 
 
 class CachedBlocks:
@@ -140,18 +146,24 @@ class CachedBlocks:
         block = self._block_of.get(hash_)
         return None if block is None else self._entry[block].serial
 
-    def insert(self, block: int, hash_: int, tokens: tuple, parent: int) -> None:
+    def insert(self, block: int, hash_: int, tokens: tuple, parent: int,
+               parent_hash: int) -> None:
         """Cache a full block. If another block already holds this hash (two requests computed
         the same prefix at once), the first stays the one the index answers with."""
         if hash_ not in self._block_of and block not in self._entry:
             self._block_of[hash_] = block
-            self._entry[block] = Entry(hash_, tokens, next(self._serials), parent)
+            self._entry[block] = Entry(hash_, tokens, next(self._serials), parent,
+                                       parent_hash)
 
     def audit(self) -> None:
         self.allocator.audit()
         for hash_, block in self._block_of.items():
-            if self._entry.get(block, Entry(None, (), 0, 0)).hash != hash_:
+            entry = self._entry.get(block)
+            if entry is None or entry.hash != hash_:
                 raise AuditError(f"the index names block {block} for a hash it does not hold")
+            if block_hash(entry.parent_hash, entry.tokens) != hash_:
+                raise AuditError(f"block {block} is indexed under a hash that is not the "
+                                 f"hash of its tokens")
         if len(self._entry) != len(self._block_of):
             raise AuditError("a cached block is missing from the index")
         for block in self._idle:
@@ -169,20 +181,22 @@ class PrefillPlan(NamedTuple):
 
 class PrefixCachingManager(KVCacheManager):
     """A :class:`~pagedkv.manager.KVCacheManager` whose full blocks are cached by content.
-    ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots will hold."""
+    ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots will hold.
+    With ``caching=False`` nothing is ever cached or found (the plain manager's behaviour)."""
 
-    def __init__(self, allocator, block_size: int):
+    def __init__(self, allocator, block_size: int, *, caching: bool = True):
         super().__init__(CachedBlocks(allocator), block_size)
         self.cache = self.allocator
+        self.caching = bool(caching)
         self._tokens: dict = {}       # sequence id -> its token ids
-        self._hashes: dict = {}       # sequence id -> hashes of its cached-so-far full blocks
+        self._hashes: dict = {}       # sequence id -> hashes of its full blocks, in order
 
     def _find_prefix(self, tokens: list) -> tuple[list, list]:
         """Cached blocks holding the leading full blocks of ``tokens``, and their hashes,
         stopping at the first miss. At least the last token is left to compute: it is the one
         whose logits are needed, so a prompt never hits a block that ends the prompt."""
         bs, blocks, hashes, parent = self.block_size, [], [], 0
-        for j in range((len(tokens) - 1) // bs):
+        for j in range((len(tokens) - 1) // bs if self.caching else 0):
             block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
             hash_ = block_hash(hashes[-1] if hashes else 0, block_tokens)
             hit = self.cache.lookup(hash_, block_tokens, parent)
@@ -193,14 +207,29 @@ class PrefixCachingManager(KVCacheManager):
             hashes.append(hash_)
         return blocks, hashes
 
+    def _blocks_to_add(self, tokens: list, hits: list) -> int:
+        """Free blocks admitting ``tokens`` takes: fresh blocks for what the cache lacks, and
+        one for each hit on an idle block (idle blocks count as free until taken)."""
+        fresh = -(-len(tokens) // self.block_size) - len(hits)
+        return fresh + sum(map(self.cache.is_idle, hits))
+
+    def cached_prefix(self, tokens) -> int:
+        """How many leading tokens of a new sequence ``tokens`` the cache holds now (a
+        multiple of the block size, less than ``len(tokens)``). Changes nothing."""
+        return len(self._find_prefix(_token_list(tokens))[0]) * self.block_size
+
+    def blocks_to_add(self, tokens) -> int:
+        """Free blocks ``add(seq, tokens)`` would take now. Changes nothing."""
+        tokens = _token_list(tokens)
+        return self._blocks_to_add(tokens, self._find_prefix(tokens)[0])
+
     def add(self, seq_id, tokens) -> PrefillPlan:
         """Admit a prompt: its leading full blocks from the cache where they are there, fresh
         blocks for the rest. All or nothing, as :meth:`KVCacheManager.add`."""
         self._check_new(seq_id, "sequence")
         tokens = _token_list(tokens)
         hits, hashes = self._find_prefix(tokens)
-        idle = sum(map(self.cache.is_idle, hits))  # hits on idle blocks take a free block too
-        need = -(-len(tokens) // self.block_size) - len(hits) + idle
+        need = self._blocks_to_add(tokens, hits)
         if need > self.cache.num_free:
             raise OutOfBlocks(need, self.cache.num_free, f"add {seq_id!r}")
         for b in hits:
@@ -237,15 +266,19 @@ class PrefixCachingManager(KVCacheManager):
         return plan
 
     def _cache_full_blocks(self, seq_id) -> None:
-        """Name (and cache) each full block of the sequence that is not named yet."""
+        """Name (and cache) each full block of the sequence that is not named yet. A block is
+        cached when its slots are planned: the caller writes them before anyone reads them."""
+        if not self.caching:
+            return
         bs, tokens, hashes = self.block_size, self._tokens[seq_id], self._hashes[seq_id]
         blocks = self._tables[seq_id].blocks
         for j in range(len(hashes), len(tokens) // bs):
             block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
-            hashes.append(block_hash(hashes[-1] if hashes else 0, block_tokens))
-            parent = self.cache.serial(hashes[-2]) if j else 0
+            parent_hash = hashes[-1] if hashes else 0
+            hashes.append(block_hash(parent_hash, block_tokens))
+            parent = self.cache.serial(parent_hash) if j else 0
             if parent is not None:                 # its parent is still cached
-                self.cache.insert(blocks[j], hashes[-1], block_tokens, parent)
+                self.cache.insert(blocks[j], hashes[-1], block_tokens, parent, parent_hash)
 
     def fork(self, parent, *children) -> None:
         super().fork(parent, *children)
@@ -254,8 +287,10 @@ class PrefixCachingManager(KVCacheManager):
             self._hashes[child] = list(self._hashes[parent])
 
     def free(self, seq_id) -> None:
-        super().free(seq_id)
-        del self._tokens[seq_id], self._hashes[seq_id]
+        """Release the sequence's blocks, the last one first: a cached block can only be found
+        through the blocks before it, so the tail should be evicted before the head."""
+        self.cache.free_n(self._table(seq_id).blocks[::-1])
+        del self._tables[seq_id], self._tokens[seq_id], self._hashes[seq_id]
 
     def audit(self) -> None:
         """The manager's and the cache's invariants, and: each sequence holds K/V for as many
