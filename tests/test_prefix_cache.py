@@ -149,6 +149,21 @@ def test_a_hash_collision_is_refused_by_the_token_check(monkeypatch):
     assert plan.cached_tokens == 0
 
 
+def test_a_chain_collision_is_refused_by_the_parent_check(monkeypatch):
+    """A hash that forgets the parent makes the block (0, 0, 0, 0) after (3, 4, 5, 6) and the
+    one after (1, 2, 3, 3) look the same. The cached one was computed after (3, 4, 5, 6); a
+    request that found (1, 2, 3, 3) must not take it, although its own tokens are equal: the
+    entry remembers its parent's serial number."""
+    real = prefix_cache.block_hash
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent, tokens: real(0, tokens))
+    e = Engine()
+    e.add("b", [3, 4, 5, 6, 0, 0, 0, 0, 1])          # caches both of its full blocks
+    e.add("a", [1, 2, 3, 3, 0, 0, 0, 0, 1])          # its second one is b's twin: not cached
+    plan = e.add("c", [1, 2, 3, 3, 0, 0, 0, 0, 2])   # hits a's first block; b's second ...
+    assert plan.cached_tokens == 4                    # ... is refused, its tokens equal or not
+    assert e.m.page_table("c").blocks[1] != e.m.page_table("b").blocks[1]
+
+
 def test_least_recently_used_idle_block_is_evicted_first():
     e = Engine(num_blocks=4)
     e.add("a", [1, 2, 3, 4, 0])
