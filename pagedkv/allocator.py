@@ -74,10 +74,9 @@ class BlockAllocator:
     def allocate_n(self, n: int) -> list[int]:
         """``n`` blocks, in the order ``n`` calls of :meth:`allocate` would give them. If fewer
         than ``n`` are free, raises :class:`OutOfBlocks` and takes none."""
-        self._check_open()
         n = count(n, "n")
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free), "allocate_n")
+        if n > self.num_free:
+            raise OutOfBlocks(n, self.num_free, "allocate_n")
         return [self.allocate() for _ in range(n)]
 
     def free_n(self, blocks) -> None:
@@ -133,6 +132,7 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
+        self._check_open()              # a closed pool has nothing to hand out
         return len(self._free)
 
     @property

@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
-# Runs every package test and every notebook (nbval) on a CUDA machine that has CuPy, NumPy,
-# matplotlib and pytest but no Jupyter stack and no package index. The wheels it needs
-# (nbval, ipykernel, ipywidgets, myst-nb, docutils, hypothesis, ml_dtypes and their
-# dependencies, for that machine's Python) are carried in WHEELS (default artifacts/gpu_wheels).
-# Logs go to $OUT (or ./artifacts/gpu_check). Usage: bash scripts/gpu_check.sh
+# Runs the package tests, every notebook (nbval) and the model benchmark on a CUDA machine
+# that has CuPy, NumPy, matplotlib, pytest and PyTorch but no Jupyter stack and no package
+# index. The wheels it needs come from scripts/gpu_wheels.sh, carried in WHEELS (default
+# .whl). The model file comes from PAGEDKV_GGUF, or is joined from the parts in MODEL_PARTS
+# (the file is larger than one transfer to that machine). Logs go to $OUT (default
+# artifacts/gpu_check). STEPS picks what runs: any of "tests nbval model" (default: all).
+# Usage: bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-wheels=${WHEELS:-artifacts/gpu_wheels}
+wheels=${WHEELS:-.whl}
 out=${OUT:-artifacts/gpu_check}
+steps=${STEPS:-tests nbval model}
 mkdir -p "$out"
-# The machine's own NumPy stays: a second one would shadow it.
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-  $(ls "$wheels"/*.whl | grep -v '/numpy-') || exit 1
+if [ ! -e /tmp/site/nbval ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    "$wheels"/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+if [ -z "${PAGEDKV_GGUF:-}" ] && [ -n "${MODEL_PARTS:-}" ]; then
+  export PAGEDKV_GGUF=/tmp/smollm2.gguf
+  [ -e "$PAGEDKV_GGUF" ] || cat "$MODEL_PARTS"/part* > "$PAGEDKV_GGUF"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import pagedkv.backend as b; print(b.describe())"
 status=0
-timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_book_browser.py --ignore=tests/test_jupyterlab.py \
-  --durations=5 2>&1 | tee "$out/pytest.log" | tail -30 || status=1
-timeout 240 python3 -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-  --nbval-sanitize-with tests/nbval_sanitize.cfg book/ --durations=10 2>&1 \
-  | tee "$out/nbval.log" | tail -30 || status=1
+case " $steps " in *" tests "*)
+  timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests \
+    --ignore=tests/test_book_browser.py --ignore=tests/test_jupyterlab.py --durations=8 2>&1 \
+    | tee "$out/pytest.log" | tail -25 || status=1 ;;
+esac
+case " $steps " in *" nbval "*)
+  timeout 400 python3 -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+    --nbval-sanitize-with tests/nbval_sanitize.cfg book/ --durations=14 2>&1 \
+    | tee "$out/nbval.log" | tail -25 || status=1 ;;
+esac
+case " $steps " in *" model "*)
+  timeout 200 python3 -m pagedkv.bench.model --json "$out/model-h200.json" 2>&1 \
+    | tee "$out/model.log" | tail -30 || status=1 ;;
+esac
 exit $status

@@ -78,7 +78,7 @@ def check_take_n(impl=take_n, seed=5, trials=300):
         twins = [BlockAllocator(16, 8, xp=np) for _ in range(2)]
         held = twins[0].allocate_n(rng.randrange(0, 17))
         twins[1].allocate_n(len(held))
-        for b in rng.sample(held, k=len(held) // 2):
+        for b in rng.sample(held, k=rng.randrange(0, len(held) + 1)):
             for t in twins:
                 t.free(b)
         n = rng.randrange(0, 9)

@@ -313,3 +313,18 @@ def test_audit_names_the_broken_invariant(message):
     MANAGER_CORRUPTIONS[message](m)
     with pytest.raises(AuditError, match=re.escape(message)):
         m.audit()
+
+
+@pytest.mark.parametrize("call", ["add", "append", "step"])
+def test_a_closed_allocator_refuses_every_growth_and_nothing_changes(call):
+    from pagedkv import fast
+    from pagedkv.errors import AllocatorClosed
+    for m in (make(num_blocks=8, block_size=4),
+              fast.KVCacheManager(fast.BlockAllocator(8, 32, xp=np), 4)):
+        m.add("a", 4)                                  # its last block is full
+        m.allocator.close()
+        attempt = {"add": lambda: m.add("b", 3), "append": lambda: m.append("a", 1),
+                   "step": lambda: m.step()}[call]
+        with pytest.raises(AllocatorClosed):
+            attempt()
+        assert m.seq_ids == ["a"] and m.num_tokens("a") == 4

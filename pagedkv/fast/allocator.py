@@ -1,148 +1,114 @@
-"""The physical block allocator: one pool of device memory, cut into uniform blocks.
+"""The block allocator made fast: the API and behaviour of :mod:`pagedkv.allocator`, with the
+bookkeeping laid out for speed.
 
-The pool is claimed once, at construction, as ``num_blocks * block_bytes`` bytes on the device
-(NumPy memory when no GPU is usable). After that, allocating or freeing a block never touches the
-device: it is bookkeeping on the host.
+Python has two kinds of fast. One block at a time (``allocate``, ``free``) is fastest on plain
+Python lists: reading or writing a list item costs tens of nanoseconds, a NumPy scalar several
+times that. Many blocks at once (a decode step that hands a new block to each of 1024 sequences)
+is fastest in NumPy: one call moves all the ids, where a Python loop over them costs tens of
+microseconds. So the state is split, each part with one job:
 
-The bookkeeping has two speeds, because Python has two kinds of fast:
-
-* **One block at a time** (``allocate``, ``free``) is fastest on plain Python lists: reading or
-  writing a list item costs about 17 ns, a NumPy scalar about 80.
-* **Many blocks at once** (``allocate_array``, ``free_n``, ``share_n``: a decode step that
-  gives a new block to each of 1024 sequences) is fastest in NumPy: one call moves the 1024 ids,
-  where a Python loop over them costs some 20 µs.
-
-So the state is split, and each part has one job:
-
-* The free stack is ``_stack[:_top]`` (a NumPy array) with the Python list ``_hot`` on top
-  of it. ``allocate`` pops ``_hot`` (refilling it from ``_stack`` a chunk at a time); ``free``
-  pushes onto ``_hot``. Batched calls first move ``_hot`` back onto ``_stack``, then slice it.
-  Either way the order is one stack's: the next block out is the last one put back.
-* A block's owner count lives in exactly one of two places. ``_solo[b] == 1`` marks a block
-  taken by ``allocate`` that still has its one owner (a list, for the fast path); every other
-  count is ``_ref[b]`` (a NumPy int32 array). A block is free when both are 0. Sharing a solo
-  block moves its count into ``_ref``.
+    _stack[:_top]  the bottom of the free stack, a NumPy array of ids
+    _hot           the top of the free stack, a Python list: ``allocate`` pops it (refilling it
+                   from ``_stack`` a chunk at a time), ``free`` pushes onto it; batched calls
+                   first move it back onto ``_stack`` and then slice that
+    _ref           owner counts, one NumPy array: every count the batched calls make
+    _solo          ``_solo[b] == b``: block ``b`` was taken by ``allocate`` and still has its
+                   one owner, a count kept in a list for the one-block path (``None``
+                   otherwise). The flag is the block's own id so that a negative id, which a
+                   list wraps around to another item, never matches it.
 
 Invariants, checked by :meth:`BlockAllocator.audit`:
 
-* the free stack holds every block with no owner, each once, and nothing else;
-* no block counts in both ``_solo`` and ``_ref``; ``_solo`` holds only 0 and 1;
+* the free stack (``_stack[:_top]`` then ``_hot``) holds every block with no owner, once;
+* a block's owner count is 1 if ``_solo[b] == b`` (then ``_ref[b] == 0``), else ``_ref[b]``;
 * ``_bulk_used`` is the number of blocks whose count is in ``_ref``.
+
+Both parts together keep the order of one stack, so the ids handed out, and the free stack,
+are exactly the teaching allocator's after the same calls.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import backend
-from .errors import ConfigError, DoubleFree, InvalidBlock, OutOfBlocks
+from .. import backend
+from ..allocator import BlockAllocator as _Teaching
+from ..checks import count, is_int, positive_int
+from ..errors import AuditError, DoubleFree, InvalidBlock, OutOfBlocks
 
 __all__ = ["BlockAllocator"]
 
 
-def _positive_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{what} must be a positive integer, got {value}")
-    return int(value)
-
-
-def _device_pool(nbytes: int, xp):
-    """A 1-D uint8 array of ``nbytes`` backed by its own allocation.
-
-    On CuPy the bytes come from ``cudaMalloc`` directly, not from CuPy's caching memory pool, so
-    that :meth:`BlockAllocator.close` really returns them to the device.
-    """
-    if xp is np:
-        return np.empty(nbytes, dtype=np.uint8)
-    mem = xp.cuda.Memory(nbytes)
-    return xp.ndarray((nbytes,), dtype=xp.uint8, memptr=xp.cuda.MemoryPointer(mem, 0))
-
-
 class BlockAllocator:
-    """A pool of ``num_blocks`` blocks of ``block_bytes`` bytes each, with O(1) allocate/free.
-
-    >>> with BlockAllocator(num_blocks=4, block_bytes=64) as alloc:
-    ...     a = alloc.allocate(); b = alloc.allocate()
-    ...     alloc.free(a); alloc.num_free
-    3
-    """
+    """A pool of ``num_blocks`` blocks of ``block_bytes`` bytes each: the same calls, results
+    and errors as :class:`pagedkv.allocator.BlockAllocator`, faster one block at a time and
+    with batched calls (``_take``, ``_add_owners``, ``_drop_owners``) for the fast manager."""
 
     __slots__ = ("num_blocks", "block_bytes", "xp", "pool", "_stack", "_top", "_hot", "_solo",
-                 "_ref", "_bulk_used", "_closed")
+                 "_ref", "_bulk_used")
 
     #: How many ids ``allocate`` moves from ``_stack`` to ``_hot`` when ``_hot`` runs dry.
     REFILL = 64
 
     def __init__(self, num_blocks: int, block_bytes: int, *, xp=None):
-        self.num_blocks = n = _positive_int(num_blocks, "num_blocks")
-        self.block_bytes = _positive_int(block_bytes, "block_bytes")
+        self.num_blocks = n = positive_int(num_blocks, "num_blocks")
+        self.block_bytes = positive_int(block_bytes, "block_bytes")
         self.xp = backend.xp if xp is None else xp
-        self.pool = _device_pool(n * self.block_bytes, self.xp)
-        # The free stack, lowest id on top, so a fresh pool hands out 0, 1, 2, ...
-        self._stack = np.arange(n - 1, -1, -1, dtype=np.intp)
-        self._top = n                   # _stack[:_top] is free; _hot sits on top of it
+        self.pool = backend.claim_bytes(n * self.block_bytes, self.xp)
+        self._stack = np.arange(n - 1, -1, -1, dtype=np.intp)  # lowest id on top
+        self._top = n
         self._hot: list[int] = []
-        # _solo[b] == 1: taken by allocate(), one owner. The second half holds -1 guards, so
-        # a negative id (which a list would wrap around) lands on a guard and takes the slow,
-        # checking path instead of the fast one.
-        self._solo: list[int] = [0] * n + [-1] * n
-        self._ref = np.zeros(n, dtype=np.int32)    # every other owner count
-        self._bulk_used = 0             # blocks whose count is in _ref
-        self._closed = False
+        self._solo: list = [None] * n
+        self._ref = np.zeros(n, dtype=np.int64)
+        self._bulk_used = 0
 
-    @classmethod
-    def from_pool_bytes(cls, pool_bytes: int, block_bytes: int, *, xp=None) -> "BlockAllocator":
-        """As many whole blocks as fit in ``pool_bytes``; the remainder is not claimed."""
-        pool_bytes = _positive_int(pool_bytes, "pool_bytes")
-        block_bytes = _positive_int(block_bytes, "block_bytes")
-        if pool_bytes < block_bytes:
-            raise ConfigError(f"a pool of {pool_bytes} bytes cannot hold one block of "
-                              f"{block_bytes} bytes")
-        return cls(pool_bytes // block_bytes, block_bytes, xp=xp)
+    # The memory side (and the id check) is the teaching allocator's own code, unchanged.
+    _check_open, _check_id = _Teaching._check_open, _Teaching._check_id
+    pool_bytes, closed = _Teaching.pool_bytes, _Teaching.closed
+    view, block_view = _Teaching.view, _Teaching.block_view
+    block_address, __repr__ = _Teaching.block_address, _Teaching.__repr__
+    __enter__, __exit__ = _Teaching.__enter__, _Teaching.__exit__
 
-    # ------------------------------------------------------------------ one block at a time
+    # ------------------------------------------------------------------ one block
     def allocate(self) -> int:
-        """Pop a free block, give it one owner and return its id. Raises :class:`OutOfBlocks`."""
+        """Pop a free block, give it one owner, return its id (or raise OutOfBlocks)."""
         try:
             b = self._hot.pop()
         except IndexError:
             self._refill()
             b = self._hot.pop()
-        self._solo[b] = 1
+        self._solo[b] = b
         return b
 
     def free(self, block: int) -> None:
-        """Drop one owner of ``block``; the last owner's free puts it back on the free stack."""
+        """Drop one owner of ``block``; the last one gone, push it on the free stack."""
         solo = self._solo
-        try:  # the common case, kept short: a plain int id whose one owner lets go
-            if solo[block] == 1 and type(block) is int:
-                solo[block] = 0
+        try:  # the common case, kept short: a plain int whose one owner lets go
+            if solo[block] == block and type(block) is int:
+                solo[block] = None
                 self._hot.append(block)
                 return
-        except (IndexError, TypeError):
+        except (IndexError, TypeError):  # an id past the end, or not an index at all
             pass
-        self._release_slow(block)
+        self._free_slow(block)
 
-    def _release_slow(self, block) -> None:
-        """``free`` for everything else: a shared block, a NumPy integer id, a bad id, a block
-        that is already free, a closed allocator."""
-        self._check_open()
+    def _free_slow(self, block) -> None:
+        """``free`` for everything else: a shared or batch-taken block, a NumPy integer,
+        a bad id, a block that is already free, a closed allocator."""
         b = self._check_id(block)
-        if self._solo[b] == 1:
-            self._solo[b] = 0
+        if self._solo[b] == b:
+            self._solo[b] = None
             self._hot.append(b)
             return
-        count = int(self._ref[b])
-        if count == 0:
+        owners = int(self._ref[b])
+        if owners == 0:
             raise DoubleFree(f"block {b} is already free")
-        self._ref[b] = count - 1
-        if count == 1:
+        self._ref[b] = owners - 1
+        if owners == 1:
             self._bulk_used -= 1
             self._hot.append(b)
 
     def _refill(self) -> None:
-        """Move the top ``REFILL`` ids of ``_stack`` onto the empty ``_hot`` (same order)."""
+        """Move the top ``REFILL`` ids of ``_stack`` onto the empty ``_hot``, in order."""
         self._check_open()
         top = self._top
         if not top:
@@ -153,10 +119,9 @@ class BlockAllocator:
 
     def share(self, block: int) -> None:
         """Add an owner to an allocated block (copy-on-write sharing)."""
-        self._check_open()
         b = self._check_id(block)
-        if self._solo[b] == 1:           # two owners now: the count moves to _ref
-            self._solo[b] = 0
+        if self._solo[b] == b:           # two owners now: the count moves to _ref
+            self._solo[b] = None
             self._ref[b] = 2
             self._bulk_used += 1
         elif self._ref[b] == 0:
@@ -164,26 +129,69 @@ class BlockAllocator:
         else:
             self._ref[b] += 1
 
-    # ------------------------------------------------------------------ many blocks at once
-    def allocate_array(self, n: int, _caller: str = "allocate_array") -> np.ndarray:
-        """``n`` blocks as an int32 array, all or none: raises :class:`OutOfBlocks` and takes
-        nothing if fewer than ``n`` are free. The order is the one ``n`` calls of
-        :meth:`allocate` would give."""
+    # ------------------------------------------------------------------ many, all or nothing
+    def allocate_n(self, n: int) -> list[int]:
+        """``n`` blocks, in the order ``n`` calls of :meth:`allocate` would give them. If fewer
+        than ``n`` are free, raises :class:`OutOfBlocks` and takes none."""
         self._check_open()
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ConfigError(f"n must be a non-negative integer, got {n!r}")
-        free = self._top + len(self._hot)
-        if n > free:
-            raise OutOfBlocks(int(n), free, _caller)
-        if n == 0:
-            return np.zeros(0, dtype=np.int32)
-        return self._take(int(n))
+        n = count(n, "n")
+        if n > self.num_free:
+            raise OutOfBlocks(n, self.num_free, "allocate_n")
+        return self._take(n).tolist() if n else []
 
+    def free_n(self, blocks) -> None:
+        """Drop one owner of each block in ``blocks``, in order (an id may appear once per
+        owner dropped). Every id is checked first: a bad one, or more drops than owners,
+        raises and frees nothing."""
+        self._check_open()
+        ids = self._ids(blocks)
+        if not len(ids):
+            return
+        uniq, drops = np.unique(ids, return_counts=True)
+        have = self._counts(uniq)
+        short = np.flatnonzero(have < drops)
+        if len(short):
+            i = short[0]
+            raise DoubleFree(f"block {uniq[i]} has {have[i]} owner(s), cannot drop {drops[i]}")
+        self._drop_owners(ids, unique=len(uniq) == len(ids))
+
+    def share_n(self, blocks, times: int = 1) -> None:
+        """Add ``times`` owners to each block in ``blocks`` (a fork shares a whole page table).
+        All or nothing: if any block is bad or free, raises and shares none."""
+        self._check_open()
+        times = positive_int(times, "times")
+        ids = self._ids(blocks)
+        if not len(ids):
+            return
+        free = np.flatnonzero(self._counts(ids) == 0)
+        if len(free):
+            raise InvalidBlock(f"cannot share block {ids[free[0]]}: it is free")
+        self._promote(ids)
+        np.add.at(self._ref, ids, times)
+
+    def _ids(self, blocks) -> np.ndarray:
+        """``blocks`` as checked intp ids. The first bad id, in order, raises as
+        :meth:`_check_id` would (the teaching allocator checks them one by one)."""
+        if isinstance(blocks, np.ndarray) and blocks.ndim == 1 and blocks.dtype.kind in "iu":
+            bad = np.flatnonzero((blocks < 0) | (blocks >= self.num_blocks))
+            if len(bad):
+                self._check_id(blocks[bad[0]])           # raises, naming it
+            return blocks.astype(np.intp)
+        ids = list(blocks)
+        if not all(type(b) is int for b in ids):         # NumPy scalars, or something bad
+            ids = [self._check_id(b) for b in ids]
+        elif ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            for b in ids:
+                self._check_id(b)                        # raises at the first bad one
+        return np.array(ids, dtype=np.intp)
+
+    # ------------------------------------------------------------------ the manager's calls
+    # Unchecked ids: the manager's invariants guarantee allocated ones (see its audit).
     def _pop(self, n: int) -> np.ndarray:
-        """Take the top ``n`` ids off the stack (``0 < n <= num_free``, unchecked) and give each
-        one owner in ``_ref``. Returns them as a view of the stack, bottom first, valid until
-        the next push. The stack holds intp ids because NumPy scatters through intp indices
-        about three times faster than through int32 ones."""
+        """Take the top ``n`` ids off the stack (``0 < n <= num_free``), with one owner
+        each in ``_ref``. Returns a view of the stack, bottom first, valid until the next
+        push. The stack holds intp ids: NumPy scatters through intp indices fastest."""
+        self._check_open()
         if self._hot:
             self._spill()
         top = self._top - n
@@ -194,88 +202,34 @@ class BlockAllocator:
         return ids
 
     def _take(self, n: int) -> np.ndarray:
-        """``allocate_array`` without the checks: int32 ids (the block tables' type), the top
-        of the stack first."""
+        """``n`` new blocks as int32 (the block tables' type), the top of the stack
+        first: the order of ``n`` calls of :meth:`allocate`."""
         return self._pop(n)[::-1].astype(np.int32)
 
     def _take_list(self, n: int) -> list[int]:
-        """``_take`` as a list of Python ints, for a caller about to loop over a few ids."""
+        """``_take`` as a list of Python ints, for a caller that loops over a few."""
         out = self._pop(n).tolist()
         out.reverse()
         return out
 
-    def allocate_n(self, n: int) -> list[int]:
-        """:meth:`allocate_array` as a list of Python ints."""
-        return self.allocate_array(n, "allocate_n").tolist()
-
-    def free_n(self, blocks) -> None:
-        """Drop one owner of each block in ``blocks`` (a block may appear more than once, once
-        per owner dropped). All or nothing: a bad id or an over-free raises first."""
-        self._check_open()
-        ids = self._ids(blocks)
-        if not len(ids):
-            return
-        self._promote(ids)
-        uniq, counts = np.unique(ids, return_counts=True)
-        have = self._ref[uniq]
-        short = np.flatnonzero(have < counts)
-        if len(short):
-            i = short[0]
-            raise DoubleFree(f"block {uniq[i]} has {have[i]} owner(s), cannot drop {counts[i]}")
-        self._release(ids, unique=len(uniq) == len(ids))
-
-    def share_n(self, blocks, times: int = 1) -> None:
-        """Add ``times`` owners to each block in ``blocks`` (a fork shares a whole page table).
-        All or nothing: every block must be allocated."""
-        self._check_open()
-        times = _positive_int(times, "times")
-        ids = self._ids(blocks)
-        if not len(ids):
-            return
-        self._promote(ids)
-        free = np.flatnonzero(self._ref[ids] == 0)
-        if len(free):
-            raise InvalidBlock(f"cannot share block {ids[free[0]]}: it is free")
-        np.add.at(self._ref, ids, times)
-
-    # The manager's calls. Its own invariants (see KVCacheManager.audit) guarantee that the ids
-    # are allocated blocks and that one call never names a block twice, so these skip checks.
     def _add_owners(self, ids: np.ndarray, times: int) -> None:
         """``share_n`` without the checks, for distinct allocated ids."""
+        if not len(ids):
+            return
+        self._check_open()
         ids = ids.astype(np.intp, copy=False)
         self._promote(ids)
         self._ref[ids] += times
 
     def _drop_owners(self, ids: np.ndarray, unique: bool = True) -> None:
-        """``free_n`` without the checks (``unique``: no id appears twice)."""
+        """``free_n`` without the checks (``unique``: no id appears twice). Blocks that
+        lose their last owner are pushed in the order of their last mention, as in
+        ``free_n``."""
+        if not len(ids):
+            return
+        self._check_open()
         ids = ids.astype(np.intp, copy=False)
         self._promote(ids)
-        self._release(ids, unique)
-
-    def _counts(self, ids: np.ndarray) -> np.ndarray:
-        """Owner counts of ``ids`` (int32), without checks."""
-        counts = self._ref[ids]
-        if self._num_solo():
-            counts = counts + np.array([self._solo[b] for b in ids.tolist()], dtype=np.int32)
-        return counts
-
-    def _num_solo(self) -> int:
-        return self.num_blocks - self._top - len(self._hot) - self._bulk_used
-
-    def _promote(self, ids: np.ndarray) -> None:
-        """Move the counts of any solo blocks among ``ids`` into ``_ref`` (batched calls work
-        on ``_ref`` alone). Nothing to do, in O(1), when no block is solo."""
-        if self._num_solo():
-            solo, ref = self._solo, self._ref
-            for b in ids.tolist():
-                if solo[b] == 1:
-                    solo[b] = 0
-                    ref[b] = 1
-                    self._bulk_used += 1
-
-    def _release(self, ids: np.ndarray, unique: bool) -> None:
-        """Drop one owner per entry of ``ids`` (counts in ``_ref``, checked by the caller) and
-        push the blocks that lost their last owner, in the order of their last mention."""
         ref = self._ref
         if unique:
             left = ref[ids] - 1
@@ -283,8 +237,8 @@ class BlockAllocator:
             gone = ids[left == 0]
         else:
             np.subtract.at(ref, ids, 1)
-            rev_first = np.unique(ids[::-1], return_index=True)[1]
-            last = np.sort(len(ids) - 1 - rev_first)    # position of each id's last mention
+            first_from_end = np.unique(ids[::-1], return_index=True)[1]
+            last = np.sort(len(ids) - 1 - first_from_end)   # each id's last mention
             gone = ids[last[ref[ids[last]] == 0]]
         if len(gone):
             self._spill()
@@ -293,8 +247,31 @@ class BlockAllocator:
             self._top = top + len(gone)
             self._bulk_used -= len(gone)
 
+    def _counts(self, ids: np.ndarray) -> np.ndarray:
+        """Owner counts of ``ids``, unchecked."""
+        counts = self._ref[ids]
+        if self._num_solo():
+            solo = self._solo
+            is_solo = [solo[b] == b for b in ids.tolist()]
+            counts = counts + np.array(is_solo, dtype=np.int64)
+        return counts
+
+    def _num_solo(self) -> int:
+        return self.num_blocks - self._top - len(self._hot) - self._bulk_used
+
+    def _promote(self, ids: np.ndarray) -> None:
+        """Move the counts of any solo blocks among ``ids`` into ``_ref``, where batched
+        calls work. In O(1) when no block is solo (the fast manager never makes one)."""
+        if self._num_solo():
+            solo, ref = self._solo, self._ref
+            for b in ids.tolist():
+                if solo[b] == b:
+                    solo[b] = None
+                    ref[b] = 1
+                    self._bulk_used += 1
+
     def _spill(self) -> None:
-        """Move ``_hot`` onto ``_stack`` (same order), so the whole free stack is in NumPy."""
+        """Move ``_hot`` onto ``_stack``, in order: the whole free stack in NumPy."""
         hot = self._hot
         if hot:
             top = self._top
@@ -302,139 +279,59 @@ class BlockAllocator:
             self._top = top + len(hot)
             hot.clear()
 
-    def _ids(self, blocks) -> np.ndarray:
-        """``blocks`` (a sequence of integers or a 1-D integer array) as checked intp ids."""
-        if isinstance(blocks, np.ndarray):
-            if blocks.ndim != 1 or blocks.dtype.kind not in "iu":
-                raise InvalidBlock(f"block ids must be a 1-D integer array, got "
-                                   f"{blocks.dtype} of shape {blocks.shape}")
-            ids = blocks.astype(np.intp)
-        else:
-            blocks = list(blocks)
-            for b in blocks:
-                if type(b) is not int:
-                    self._check_id(b)              # raises for anything but an integer
-            ids = np.array(blocks, dtype=np.intp) if blocks else np.zeros(0, np.intp)
-        if len(ids):
-            bad = np.flatnonzero((ids < 0) | (ids >= self.num_blocks))
-            if len(bad):
-                self._check_id(int(ids[bad[0]]))   # raises with the message
-        return ids
-
     # ------------------------------------------------------------------ state
     def refcount(self, block: int) -> int:
         """How many owners ``block`` has (0: free)."""
         b = self._check_id(block)
-        return self._solo[b] or int(self._ref[b])
+        return 1 if self._solo[b] == b else int(self._ref[b])
 
-    def can_allocate(self, n: int = 1) -> bool:
-        return n <= self._top + len(self._hot)
+    def refcounts(self) -> np.ndarray:
+        """Every block's owner count (a NumPy int64 copy)."""
+        ref = self._ref.copy()
+        if self._num_solo():
+            ref[[b for b in self._solo if b is not None]] = 1
+        return ref
+
+    def free_blocks(self) -> list[int]:
+        """The free stack, bottom first: the next :meth:`allocate` returns the last one."""
+        return self._stack[:self._top].tolist() + self._hot
 
     @property
     def num_free(self) -> int:
+        self._check_open()              # a closed pool has nothing to hand out
         return self._top + len(self._hot)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - self._top - len(self._hot)
 
-    @property
-    def pool_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    def free_blocks(self) -> list[int]:
-        """The free stack, bottom first (the next ``allocate`` returns the last element)."""
-        return self._stack[:self._top].tolist() + self._hot
-
-    def refcounts(self) -> np.ndarray:
-        """Every block's reference count, as a NumPy array (a copy)."""
-        ref = self._ref.astype(np.int64)
-        if self._num_solo():
-            ref += np.array(self._solo[:self.num_blocks], dtype=np.int64)
-        return ref
-
     def audit(self) -> None:
-        """Check the invariants; raise ``AssertionError`` naming the first one broken."""
+        """Check the invariants; raise :class:`AuditError` naming the first one broken."""
         self._check_open()
-        n = self.num_blocks
-        assert 0 <= self._top <= n and self._top + len(self._hot) <= n, "the free stack overflows"
-        free = np.array(self.free_blocks(), dtype=np.int64)
-        assert ((free >= 0) & (free < n)).all(), "a free id outside the pool"
-        assert len(np.unique(free)) == len(free), "a block is on the free stack twice"
-        solo = np.array(self._solo, dtype=np.int64)
-        assert len(solo) == 2 * n and (solo[n:] == -1).all(), "the guards after _solo changed"
-        solo = solo[:n]
-        ref = self._ref.astype(np.int64)
-        assert np.isin(solo, (0, 1)).all(), "a solo flag other than 0 or 1"
-        assert (ref >= 0).all(), "a negative reference count"
-        assert not ((solo == 1) & (ref > 0)).any(), "a block counted in both _solo and _ref"
-        owners = solo + ref
-        assert (owners[free] == 0).all(), "a block on the free stack has owners"
-        assert int((owners == 0).sum()) == len(free), "a block with no owner is not on the stack"
-        assert self._bulk_used == int(np.count_nonzero(ref)), "_bulk_used is off"
-
-    # ------------------------------------------------------------------ memory
-    def _check_id(self, block) -> int:
-        if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
-            raise InvalidBlock(f"a block id must be an integer, got {block!r}")
-        if not 0 <= block < self.num_blocks:
-            raise InvalidBlock(f"block id {block} is outside the pool [0, {self.num_blocks})")
-        return int(block)
-
-    def block_view(self, block: int):
-        """The bytes of one block, a view into the pool (uint8, ``block_bytes`` long)."""
-        self._check_open()
-        b = self._check_id(block)
-        return self.pool[b * self.block_bytes:(b + 1) * self.block_bytes]
-
-    def view(self, dtype, block_shape) -> object:
-        """The whole pool seen as ``[num_blocks, *block_shape]`` of ``dtype`` (no copy).
-
-        ``block_shape`` must fill a block exactly, e.g. ``(2, block_size, kv_heads, head_dim)``
-        for a layer's K and V.
-        """
-        self._check_open()
-        dtype = np.dtype(dtype)
-        block_shape = tuple(int(s) for s in block_shape)
-        nbytes = int(np.prod(block_shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes != self.block_bytes:
-            raise ConfigError(f"block shape {block_shape} of {dtype} is {nbytes} bytes; "
-                              f"a block is {self.block_bytes} bytes")
-        return self.pool.view(dtype).reshape((self.num_blocks,) + block_shape)
-
-    def block_address(self, block: int) -> int:
-        """The device (or host, on NumPy) address of the first byte of ``block``."""
-        self._check_open()
-        b = self._check_id(block)
-        base = self.pool.ctypes.data if self.xp is np else self.pool.data.ptr
-        return base + b * self.block_bytes
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ConfigError("the allocator is closed; its pool has been returned")
+        n, ref, solo = self.num_blocks, self._ref, self._solo
+        if not 0 <= self._top <= n or self._top + len(self._hot) > n:
+            raise AuditError("the free stack holds more ids than the pool has blocks")
+        free = self.free_blocks()
+        if any(not is_int(b) or not 0 <= b < n for b in free):
+            raise AuditError("the free stack holds an id outside the pool")
+        if len(set(free)) != len(free):
+            raise AuditError("a block is on the free stack twice")
+        if len(solo) != n or any(s is not None and s != b for b, s in enumerate(solo)):
+            raise AuditError("a solo flag that is neither None nor its block's id")
+        is_solo = np.array([s is not None for s in solo], dtype=bool)
+        if ref.shape != (n,) or (ref < 0).any() or (is_solo & (ref != 0)).any():
+            raise AuditError("owner counts: one per block, >= 0, and not both solo and in _ref")
+        owners = ref + is_solo
+        if (owners[free] != 0).any() or int((owners == 0).sum()) != len(free):
+            raise AuditError("a block is on the free stack if and only if it has no owner")
+        if self._bulk_used != int(np.count_nonzero(ref)):
+            raise AuditError("_bulk_used differs from the number of counts in _ref")
 
     def close(self) -> None:
-        """Return the pool's memory. Views taken earlier keep their bytes alive until dropped."""
-        if not self._closed:
-            self._closed = True
+        """Give the pool back. The free stack and counts stay readable; every call that needs
+        the pool raises :class:`AllocatorClosed`. Solo counts move to ``_ref`` and ``_hot``
+        empties, so the one-block paths fall through to the checking ones."""
+        if self.pool is not None:
+            self._spill()
+            self._promote(np.flatnonzero(np.array([s is not None for s in self._solo])))
             self.pool = None
-            self._top = 0
-            self._hot.clear()
-            self._solo = [0] * self.num_blocks + [-1] * self.num_blocks
-            self._ref[:] = 0
-            self._bulk_used = 0
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> "BlockAllocator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self.num_free} free"
-        return (f"BlockAllocator({self.num_blocks} blocks x {self.block_bytes} B, {state}, "
-                f"{backend.name})")
