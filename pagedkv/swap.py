@@ -1,23 +1,24 @@
 """Swapping: a preempted sequence's K/V parked in host memory, and brought back later.
 
-When a step cannot get its blocks, the scheduler preempts a sequence. Recomputation drops its
-K/V and computes them again when it returns; swapping copies its blocks to a *host pool*
-first and copies them back when it returns, so nothing is computed twice, at the price of two
-trips over the link between host and device (PCIe on most machines).
+When a step cannot get its blocks, the scheduler preempts a sequence. Recomputation
+drops its K/V and computes them again when it returns; swapping copies its blocks to a
+*host pool* first and copies them back when it returns, so nothing is computed twice, at
+the price of two trips over the link between host and device (PCIe on most machines).
 
-Three parts, kept apart as everywhere in pagedkv (the manager plans, kernels move bytes):
+Three parts, kept apart as everywhere in pagedkv (the manager plans, kernels move
+bytes):
 
-* :class:`HostPool` is host memory cut into blocks of the device pool's size: the allocator of
-  chapter 3 again, its pool in pinned (page-locked) memory on a GPU machine, so that the device
-  can copy to and from it directly, and a NumPy array otherwise.
-* :class:`Swapper` keeps the books: which host blocks hold each swapped-out sequence, and the
-  (source, destination) block pairs that a swap needs. It moves no bytes.
-* :func:`copy_to_host` and :func:`copy_to_device` move the bytes: all the pairs of a step in one
-  batched copy per direction.
+* :class:`HostPool` is host memory cut into blocks of the device pool's size: the
+  allocator of chapter 3 again, its pool in pinned (page-locked) memory on a GPU machine,
+  so that the device can copy to and from it directly, and a NumPy array otherwise.
+* :class:`Swapper` keeps the books: which host blocks hold each swapped-out sequence, and
+  the (source, destination) block pairs that a swap needs. It moves no bytes.
+* :func:`copy_to_host` and :func:`copy_to_device` move the bytes: all the pairs of a step
+  in one batched copy per direction.
 
-Invariants, checked by :meth:`Swapper.audit` (with the host allocator's own): a host block's
-refcount equals the number of swapped-out sequences that map it; a swapped-out sequence is not
-in the manager.
+Invariants, checked by :meth:`Swapper.audit` (with the host allocator's own): a host
+block's refcount equals the number of swapped-out sequences that map it; a swapped-out
+sequence is not in the manager.
 """
 from __future__ import annotations
 
@@ -28,15 +29,16 @@ import numpy as np
 
 from . import backend
 from .allocator import BlockAllocator
-from .errors import (AuditError, ConfigError, DuplicateSequence, OutOfBlocks, PoolTooLarge,
-                     SequenceExists, UnknownSequence)
+from .errors import (AuditError, ConfigError, DuplicateSequence, OutOfBlocks,
+                     PoolTooLarge, SequenceExists, UnknownSequence)
 from .manager import copies_array
 
 __all__ = ["HostPool", "Swapper", "copy_to_host", "copy_to_device"]
 
 
 def _pinned_bytes(nbytes: int) -> np.ndarray:
-    """``nbytes`` of page-locked host memory as a NumPy uint8 array (CuPy's pinned pool)."""
+    """``nbytes`` of page-locked host memory as a NumPy uint8 array (CuPy's pinned
+    pool)."""
     import cupyx
     try:
         return cupyx.empty_pinned(nbytes, dtype=np.uint8)
@@ -46,13 +48,15 @@ def _pinned_bytes(nbytes: int) -> np.ndarray:
 
 
 class HostPool(BlockAllocator):
-    """``num_blocks`` host blocks of ``block_bytes`` each, for swapped-out K/V. The bookkeeping
-    is :class:`~pagedkv.allocator.BlockAllocator`'s; the memory is pinned when ``pinned`` (by
-    default: when the backend is CuPy), so that device copies can reach it directly."""
+    """``num_blocks`` host blocks of ``block_bytes`` each, for swapped-out K/V. The
+    bookkeeping is :class:`~pagedkv.allocator.BlockAllocator`'s; the memory is pinned
+    when ``pinned`` (by default: when the backend is CuPy), so that device copies can
+    reach it directly."""
 
-    def __init__(self, num_blocks: int, block_bytes: int, *, pinned: bool | None = None):
-        super().__init__(num_blocks, block_bytes, xp=np)   # (NumPy's bytes are not touched
-        self.pinned = backend.on_gpu if pinned is None else bool(pinned)  # until written)
+    def __init__(self, num_blocks: int, block_bytes: int, *,
+                 pinned: bool | None = None):
+        super().__init__(num_blocks, block_bytes, xp=np)   # (NumPy's pages: untouched)
+        self.pinned = backend.on_gpu if pinned is None else bool(pinned)
         if self.pinned:
             self.pool = _pinned_bytes(self.pool_bytes)
 
@@ -63,22 +67,24 @@ class Swapped(NamedTuple):
 
 
 def _contents(manager, seq_id):
-    """What ``manager.add`` needs to bring ``seq_id`` back: its token ids for a manager that
-    names blocks by their tokens (:class:`~pagedkv.prefix_cache.PrefixCachingManager`), else
-    its length."""
-    return manager.tokens(seq_id) if hasattr(manager, "tokens") else manager.num_tokens(seq_id)
+    """What ``manager.add`` needs to bring ``seq_id`` back: its token ids for a manager
+    that names blocks by their tokens
+    (:class:`~pagedkv.prefix_cache.PrefixCachingManager`), else its length."""
+    if hasattr(manager, "tokens"):
+        return manager.tokens(seq_id)
+    return manager.num_tokens(seq_id)
 
 
 class Swapper:
     """Swap sequences of ``manager`` out to ``host`` and back. Plans only: execute each
-    returned array of pairs (with :func:`copy_to_host` / :func:`copy_to_device`) before the
-    next forward pass writes K/V and before the next swap in the other direction, since the
-    blocks a swap gives up are free from the moment it is planned."""
+    returned array of pairs (with :func:`copy_to_host` / :func:`copy_to_device`) before
+    the next forward pass writes K/V and before the next swap in the other direction,
+    since the blocks a swap gives up are free from the moment it is planned."""
 
     def __init__(self, manager, host: HostPool):
         if host.block_bytes != manager.allocator.block_bytes:
-            raise ConfigError(f"host blocks of {host.block_bytes} bytes cannot hold device "
-                              f"blocks of {manager.allocator.block_bytes} bytes")
+            raise ConfigError(f"host blocks of {host.block_bytes} bytes cannot hold "
+                              f"device blocks of {manager.allocator.block_bytes} bytes")
         self.manager, self.host = manager, host
         self.swapped: dict = {}        # sequence id -> Swapped
         self.blocks_out = self.blocks_in = 0
@@ -90,11 +96,12 @@ class Swapper:
         return ids
 
     def swap_out(self, seq_ids) -> np.ndarray:
-        """Park the sequences on the host; they leave the manager. A block several of them
-        share is copied once (and shared again on the host). Returns (device block, host
-        block) pairs. All or nothing: :class:`OutOfBlocks` if the host pool is too small."""
+        """Park the sequences on the host; they leave the manager. A block several of
+        them share is copied once (and shared again on the host). Returns (device block,
+        host block) pairs. All or nothing: :class:`OutOfBlocks` if the host pool is too
+        small."""
         ids = self._ids(seq_ids)
-        tables = [self.manager.block_table(s).tolist() for s in ids]  # (or UnknownSequence)
+        tables = [self.manager.block_table(s).tolist() for s in ids]  # (or unknown)
         owners = Counter(b for table in tables for b in table)
         if len(owners) > self.host.num_free:
             raise OutOfBlocks(len(owners), self.host.num_free, "swap out (host blocks)")
@@ -103,7 +110,8 @@ class Swapper:
             if n > 1:
                 self.host.share_n([host_of[b]], times=n - 1)
         for s, table in zip(ids, tables):
-            self.swapped[s] = Swapped([host_of[b] for b in table], _contents(self.manager, s))
+            parked = [host_of[b] for b in table]
+            self.swapped[s] = Swapped(parked, _contents(self.manager, s))
             self.manager.free(s)
         self.blocks_out += len(owners)
         return copies_array(list(host_of.items()))
@@ -114,14 +122,16 @@ class Swapper:
         return sum(len(self._swapped(s).host_blocks) for s in seq_ids)
 
     def swap_in(self, seq_ids) -> np.ndarray:
-        """Bring parked sequences back with fresh device blocks. A prefix-caching manager
-        finds the blocks it still caches, and those need no copy. Returns (host block, device
-        block) pairs. All or nothing: :class:`OutOfBlocks` if the device pool is too small."""
+        """Bring parked sequences back with fresh device blocks. A prefix-caching
+        manager finds the blocks it still caches, and those need no copy. Returns (host
+        block, device block) pairs. All or nothing: :class:`OutOfBlocks` if the device
+        pool is too small."""
         ids = self._ids(seq_ids)
         need = self.blocks_to_swap_in(ids)             # (or UnknownSequence)
         for s in ids:
             if s in self.manager:
-                raise SequenceExists(f"cannot swap in {s!r}: a running sequence has its id")
+                raise SequenceExists(f"cannot swap in {s!r}: a running sequence has "
+                                     f"its id")
         if need > self.manager.allocator.num_free:
             raise OutOfBlocks(need, self.manager.allocator.num_free, "swap in")
         pairs = []
@@ -142,9 +152,10 @@ class Swapper:
             raise UnknownSequence(f"{seq_id!r} is not swapped out") from None
 
     def audit(self) -> None:
-        """Check the host pool and the swapped-out sequences; raise :class:`AuditError`."""
+        """Check the host pool and the swapped-out sequences; raise :class:`AuditError`.
+        """
         self.host.audit()
-        mapped = Counter(b for parked in self.swapped.values() for b in parked.host_blocks)
+        mapped = Counter(b for p in self.swapped.values() for b in p.host_blocks)
         refs = self.host.refcounts()
         for b in np.flatnonzero(refs).tolist() + list(mapped):
             if refs[b] != mapped[b]:
@@ -155,7 +166,7 @@ class Swapper:
                 raise AuditError(f"sequence {s!r} is both swapped out and running")
 
 
-# ---------------------------------------------------------------------- moving the bytes
+# ------------------------------------------------------------------ moving the bytes
 
 def _split(pairs) -> tuple[np.ndarray, np.ndarray]:
     pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
@@ -163,16 +174,18 @@ def _split(pairs) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _parked(host: HostPool, device) -> np.ndarray:
-    """The host pool as ``[host blocks, layers, block elements]`` of the device's dtype."""
+    """The host pool as ``[host blocks, layers, block elements]`` of the device's dtype.
+    """
     layers, _, elems = device.shape
     return host.view(device.dtype, (layers, elems))
 
 
 def copy_to_host(device, host: HostPool, pairs) -> None:
     """Copy device blocks to host blocks, for every (device block, host block) pair.
-    ``device`` is the device pool seen as ``[layers, num_blocks, block elements]`` (a layer's
-    part of block ``b`` is ``device[layer, b]``). On a GPU: one gather of the blocks on the
-    device, one device-to-host copy into pinned memory, one scatter into the host pool."""
+    ``device`` is the device pool seen as ``[layers, num_blocks, block elements]`` (a
+    layer's part of block ``b`` is ``device[layer, b]``). On a GPU: one gather of the
+    blocks on the device, one device-to-host copy into pinned memory, one scatter into
+    the host pool."""
     src, dst = _split(pairs)
     if not len(src):
         return
@@ -181,9 +194,9 @@ def copy_to_host(device, host: HostPool, pairs) -> None:
         parked[dst] = device[:, src].swapaxes(0, 1)
         return
     import cupyx
-    gathered = device[:, backend.xp.asarray(src)]           # [layers, n, elems], contiguous
+    gathered = device[:, backend.xp.asarray(src)]           # [layers, n, elems]
     staging = cupyx.empty_pinned(gathered.shape, dtype=gathered.dtype)
-    gathered.get(out=staging)                               # the one copy (it waits for it)
+    gathered.get(out=staging)                               # the one copy (it waits)
     parked[dst] = staging.swapaxes(0, 1)
 
 
@@ -206,4 +219,4 @@ def copy_to_device(host: HostPool, device, pairs) -> None:
     moved = xp.empty(staging.shape, dtype=device.dtype)
     moved.set(staging)                                      # the one copy
     device[:, xp.asarray(dst)] = moved
-    xp.cuda.get_current_stream().synchronize()              # before staging can be reused
+    xp.cuda.get_current_stream().synchronize()              # before staging is reused

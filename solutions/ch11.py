@@ -1,5 +1,6 @@
-"""Chapter 11 (prefix caching and preemption): the hits predicted without hashes, token-granular
-matching as a radix tree does it, and recompute against swap per token."""
+"""Chapter 11 (prefix caching and preemption): the hits predicted without hashes,
+token-granular matching as a radix tree does it, and recompute against swap per token.
+"""
 from __future__ import annotations
 
 import random
@@ -13,10 +14,10 @@ __all__ = ["cached_tokens", "radix_tokens", "cheaper"]
 
 
 def cached_tokens(prompts, block_size: int) -> list[int]:
-    """Tokens each prompt finds cached when ``prompts`` are admitted in order and nothing is
-    evicted: its leading full blocks whose whole prefix an earlier prompt had, never the block
-    that holds its last token."""
-    seen = set()                          # every whole prefix, to the end of a full block
+    """Tokens each prompt finds cached when ``prompts`` are admitted in order and
+    nothing is evicted: its leading full blocks whose whole prefix an earlier prompt
+    had, never the block that holds its last token."""
+    seen = set()                          # every whole prefix ending a full block
     out = []
     for p in prompts:
         found = 0
@@ -45,16 +46,19 @@ def radix_tokens(prompts) -> list[int]:
     return out
 
 
-def cheaper(parameters: float, kv_bytes: float, flops: float, link: float) -> tuple[str, float]:
-    """Recompute a preempted token (``2 * parameters`` operations at ``flops`` per second) or
-    swap it (``kv_bytes`` out and back at ``link`` bytes per second): the cheaper, and how many
-    times slower the other is."""
+def cheaper(parameters: float, kv_bytes: float, flops: float,
+            link: float) -> tuple[str, float]:
+    """Recompute a preempted token (``2 * parameters`` operations at ``flops`` per
+    second) or swap it (``kv_bytes`` out and back at ``link`` bytes per second): the
+    cheaper, and how many times slower the other is."""
     recompute = 2 * parameters / flops
     swap = 2 * kv_bytes / link
-    return ("swap", recompute / swap) if swap < recompute else ("recompute", swap / recompute)
+    if swap < recompute:
+        return "swap", recompute / swap
+    return "recompute", swap / recompute
 
 
-# ------------------------------------------------------------------------------------ checks
+# ---------------------------------------------------------------------------- checks
 def _prompts(rng, n):
     heads = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9], [7] * 12, []]
     return [rng.choice(heads) + [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
@@ -78,7 +82,7 @@ def check_cached_tokens(impl=cached_tokens, seed=11, rounds=60):
         got = impl(prompts, bs)
         assert list(got) == want, f"block {bs}, {prompts}: {list(got)} != {want}"
         checked += len(prompts)
-    assert impl([[1, 2, 3, 4], [1, 2, 3, 4]], 2) == [0, 2], "the last token is always computed"
+    assert impl([[1, 2, 3, 4], [1, 2, 3, 4]], 2) == [0, 2], "the last token is computed"
     return {"prompts checked": checked}
 
 
@@ -89,15 +93,17 @@ def check_radix_tokens(impl=radix_tokens, seed=12, rounds=200):
     rng = random.Random(seed)
     for _ in range(rounds):
         prompts = _prompts(rng, rng.randrange(1, 7))
-        want = [min(max([len(os.path.commonprefix([p, q])) for q in prompts[:i]], default=0),
-                    len(p) - 1) for i, p in enumerate(prompts)]
-        assert list(impl(prompts)) == want, f"{prompts}: {list(impl(prompts))} != {want}"
-    assert impl([[5, 6, 7], [5, 6, 8], [5, 6, 7, 1]]) == [0, 2, 3], "the best earlier match"
+        want = [min(max([len(os.path.commonprefix([p, q])) for q in prompts[:i]],
+                        default=0), len(p) - 1) for i, p in enumerate(prompts)]
+        got = list(impl(prompts))
+        assert got == want, f"{prompts}: {got} != {want}"
+    assert impl([[5, 6, 7], [5, 6, 8], [5, 6, 7, 1]]) == [0, 2, 3], "the best match"
     return {"rounds": rounds}
 
 
 def check_cheaper(impl=cheaper):
-    """Hand-worked cases: 1 s of compute against 0.5 s of copies, and the other way round."""
+    """Hand-worked cases: 1 s of compute against 0.5 s of copies, and the other way
+    round."""
     kind, ratio = impl(5e11, 0.25e9, 1e12, 1e9)       # recompute 1 s, swap 0.5 s
     assert kind == "swap" and abs(ratio - 2.0) < 1e-9, (kind, ratio)
     kind, ratio = impl(1e11, 1e9, 1e12, 1e9)          # recompute 0.2 s, swap 2 s
@@ -105,7 +111,7 @@ def check_cheaper(impl=cheaper):
     return {"cases": 2}
 
 
-# ------------------------------------------------------------------------------ wrong answers
+# --------------------------------------------------------------------- wrong answers
 def _no_last_token_rule(prompts, block_size):
     seen, out = set(), []
     for p in prompts:
@@ -115,7 +121,8 @@ def _no_last_token_rule(prompts, block_size):
                 break
             found = j * block_size
         out.append(found)
-        seen.update(tuple(p[:j * block_size]) for j in range(1, len(p) // block_size + 1))
+        seen.update(tuple(p[:j * block_size])
+                    for j in range(1, len(p) // block_size + 1))
     return out
 
 
@@ -146,7 +153,8 @@ def _previous_only(prompts):
 
 
 def _uncapped(prompts):
-    return [min(len(p), r + (r == len(p) - 1)) for p, r in zip(prompts, radix_tokens(prompts))]
+    return [min(len(p), r + (r == len(p) - 1))
+            for p, r in zip(prompts, radix_tokens(prompts))]
 
 
 WRONG = {

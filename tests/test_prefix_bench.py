@@ -27,4 +27,12 @@ def test_prefix_bench_rejects_zero_repeats():
 
 
 def test_the_trace_hits_127_blocks():
-    assert len(prefix.teaching_prefix_hit(2)) == 2        # (it asserts the hit itself)
+    assert len(prefix.prefix_hit(2)) == len(prefix.prefix_hit(2, "fast", True)) == 2
+
+
+def test_the_bookkeeping_benchmark_reports_the_prefix_hit(capsys):
+    from pagedkv.bench.__main__ import main
+    assert main(["--json", "--repeat", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("prefix_hit_us", "prefix_hit_list_us", "teaching_prefix_hit_us"):
+        assert isinstance(out[key], float) and 0 < out[key + "_min"] <= out[key], key

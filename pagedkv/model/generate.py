@@ -30,9 +30,8 @@ import numpy as np
 
 from .. import backend
 from ..checks import is_int, positive_int
-from ..errors import AuditError, ConfigError, OutOfBlocks
+from ..errors import ConfigError
 from ..prefix_cache import PrefixCachingManager
-from ..swap import copy_to_host
 from .llama import Batch, Llama, PagedKV, forward
 from .scheduling import Counts, Scheduling
 
@@ -351,24 +350,11 @@ class Engine(Scheduling):
 
     # ------------------------------------------------------------------ 2. decode
     def decode(self) -> None:
-        """One token for every live sequence: one ``manager.step()``, one forward pass. While
-        the step cannot get its blocks, the most recently admitted request is preempted."""
-        swap_out = []
-        while True:
-            reqs = [r for r in self.running if r.live]
-            seqs = [s for r in reqs for s in r.live]
-            if not seqs:
-                return
-            try:
-                plan = self.manager.step([s.seq_id for s in seqs], [s.tokens[-1] for s in seqs])
-                break
-            except OutOfBlocks:
-                if len(reqs) == 1:                     # admission refuses what cannot fit
-                    raise AuditError("a request alone cannot take its next step") from None
-                swap_out.append(self.preempt(reqs[-1]))
-        pairs = np.concatenate(swap_out) if swap_out else ()
-        if len(pairs):                                 # the blocks swapped out, in one copy
-            copy_to_host(self.device_blocks, self.swapper.host, pairs)
+        """One token for every live sequence: one ``manager.step()`` (preempting while it
+        cannot get its blocks), one forward pass."""
+        reqs, seqs, plan = self.step_or_preempt()
+        if plan is None:
+            return
         batch = Batch(
             tokens=np.array([s.tokens[-1] for s in seqs], dtype=np.int32),
             positions=plan.seq_lens - 1, slots=plan.slot_mapping,

@@ -1,7 +1,8 @@
-"""Pictures of prefix caching and preemption: the hash chain of a few prompts, the pool with
-its cached idle blocks, the hit rate against the shared prefix, what the cache saves a real
-model, and serving under memory pressure. Same conventions as :mod:`pagedkv.plots.memory` (no
-pyplot, the Okabe-Ito palette, text of at least 9 pt)."""
+"""Pictures of prefix caching and preemption: the hash chain of a few prompts, the pool
+with its cached idle blocks, the hit rate against the shared prefix, what the cache
+saves a real model, and serving under memory pressure. Same conventions as
+:mod:`pagedkv.plots.memory` (no pyplot, the Okabe-Ito palette, text of at least 9 pt).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -19,10 +20,10 @@ IDLE_COLOR = "#F0E442"          # cached, held by nobody: free, but still findab
 
 # ------------------------------------------------------------------ the hash chain
 def draw_hash_chain(prompts, block_size: int, token_text=str, names=None) -> Figure:
-    """Each prompt as a row of blocks: a full block shows its tokens and the first hex digits
-    of its chained hash (seeded by the block before it, the arrow); a block whose hash an
-    earlier row already has is grey (one block in the cache); a partly filled last block has
-    no name yet (dashed)."""
+    """Each prompt as a row of blocks: a full block shows its tokens and the first hex
+    digits of its chained hash (seeded by the block before it, the arrow); a block whose
+    hash an earlier row already has is grey (one block in the cache); a partly filled
+    last block has no name yet (dashed)."""
     widest = max(-(-len(p) // block_size) for p in prompts)
     fig = Figure(figsize=(min(2.0 * widest + 1.2, 11), 1.25 * len(prompts) + 0.5),
                  layout="constrained")
@@ -42,8 +43,8 @@ def draw_hash_chain(prompts, block_size: int, token_text=str, names=None) -> Fig
             ax.add_patch(Rectangle((2 * j, y + 0.1), 1.6, 0.8, lw=1,
                                    facecolor=color if full else "white",
                                    edgecolor=EDGE_COLOR, ls="-" if full else "--"))
-            ax.text(2 * j + 0.8, y + 0.5, text if full else text + "\n(not full: no name)",
-                    ha="center", va="center", fontsize=9,
+            label = text if full else text + "\n(not full: no name)"
+            ax.text(2 * j + 0.8, y + 0.5, label, ha="center", va="center", fontsize=9,
                     color="white" if full and color != SHARED_COLOR else "black")
             if j:
                 ax.add_patch(FancyArrowPatch((2 * j - 0.4, y + 0.5), (2 * j, y + 0.5),
@@ -54,17 +55,18 @@ def draw_hash_chain(prompts, block_size: int, token_text=str, names=None) -> Fig
     ax.set_xlim(-1.6 if names else -0.1, 2 * widest)
     ax.set_ylim(0, len(prompts))
     ax.axis("off")
-    ax.set_title("each full block named by a hash of its tokens, seeded by the hash of the "
-                 "block before it (grey: the same name as a block above)", fontsize=10)
+    ax.set_title("each full block named by a hash of its tokens, seeded by the hash of "
+                 "the block before it (grey: the same name as a block above)",
+                 fontsize=10)
     return fig
 
 
-# ------------------------------------------------------------------ the pool and its cache
+# ---------------------------------------------------------------- the pool, its cache
 def cache_snapshot(manager) -> list:
     """Each block of a :class:`~pagedkv.prefix_cache.PrefixCachingManager`'s pool as
     ``(state, label)``: ``("free", "")``, ``("idle", rank)`` (1 is evicted first),
-    ``("seq", id)`` for a block one sequence maps, ``("shared", n)`` for one n sequences map;
-    a cached block that is in use has its label followed by ``*``."""
+    ``("seq", id)`` for a block one sequence maps, ``("shared", n)`` for one n sequences
+    map; a cached block that is in use has its label followed by ``*``."""
     cache, idle = manager.cache, list(manager.cache._idle)
     owners: dict = {}
     for s in manager.seq_ids:
@@ -85,9 +87,10 @@ def cache_snapshot(manager) -> list:
 
 
 def draw_cache(snapshots, titles, *, ncols: int = 16, seq_colors=None) -> Figure:
-    """Pool snapshots (from :func:`cache_snapshot`) one above the other: blocks of a sequence
-    in its colour (``seq_colors`` maps an id to a palette index), shared ones grey, cached
-    idle ones yellow with their place in the eviction order, free ones pale."""
+    """Pool snapshots (from :func:`cache_snapshot`) one above the other: blocks of a
+    sequence in its colour (``seq_colors`` maps an id to a palette index), shared ones
+    grey, cached idle ones yellow with their place in the eviction order, free ones
+    pale."""
     n = len(snapshots[0])
     rows = -(-n // ncols)
     fig = Figure(figsize=(0.55 * ncols + 2.4, (0.55 * rows + 0.45) * len(snapshots)),
@@ -98,19 +101,23 @@ def draw_cache(snapshots, titles, *, ncols: int = 16, seq_colors=None) -> Figure
         for b, (state, label) in enumerate(snap):
             r, c = divmod(b, ncols)
             seq = label.rstrip("*")
-            color = {"free": FREE_COLOR, "idle": IDLE_COLOR, "shared": SHARED_COLOR}.get(
-                state, PALETTE[seq_colors.get(seq, len(seq)) % len(PALETTE)])
+            fixed = {"free": FREE_COLOR, "idle": IDLE_COLOR, "shared": SHARED_COLOR}
+            own = PALETTE[seq_colors.get(seq, len(seq)) % len(PALETTE)]
+            color = fixed.get(state, own)
             ax.add_patch(Rectangle((c + 0.05, rows - 1 - r + 0.05), 0.9, 0.9, lw=0.8,
                                    facecolor=color, edgecolor=EDGE_COLOR))
             ax.text(c + 0.5, rows - 1 - r + 0.5, label, ha="center", va="center",
-                    fontsize=9, color="white" if state in ("seq", "shared") else "black")
+                    fontsize=9,
+                    color="white" if state in ("seq", "shared") else "black")
         ax.set_xlim(0, ncols)
         ax.set_ylim(0, rows)
         ax.set_aspect("equal")
         ax.axis("off")
         ax.set_title(title, fontsize=10, loc="left")
-    handles = [Patch(facecolor=PALETTE[0], edgecolor=EDGE_COLOR, label="held by a sequence"),
-               Patch(facecolor=SHARED_COLOR, edgecolor=EDGE_COLOR, label="held by several"),
+    handles = [Patch(facecolor=PALETTE[0], edgecolor=EDGE_COLOR,
+                     label="held by a sequence"),
+               Patch(facecolor=SHARED_COLOR, edgecolor=EDGE_COLOR,
+                     label="held by several"),
                Patch(facecolor=IDLE_COLOR, edgecolor=EDGE_COLOR,
                      label="cached, idle (eviction order)"),
                Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free")]
@@ -121,15 +128,17 @@ def draw_cache(snapshots, titles, *, ncols: int = 16, seq_colors=None) -> Figure
 
 # ------------------------------------------------------------------ measurements
 def plot_hit_rate(rows, prompt_len: int, *, ax=None) -> Figure:
-    """Share of each prompt found in the cache against the prefix length it shares with the
-    prompts before it: ``rows`` maps a block size to ``(shared lengths, shares)``."""
+    """Share of each prompt found in the cache against the prefix length it shares with
+    the prompts before it: ``rows`` maps a block size to ``(shared lengths, shares)``.
+    """
     fig, ax = _new_axes(ax, (8, 3.4))
     for i, (bs, (xs, ys)) in enumerate(sorted(rows.items())):
         ax.step(xs, ys, where="post", color=PALETTE[i], lw=1.6, label=f"blocks of {bs}")
     xs = np.arange(prompt_len + 1)
     ax.plot(xs, xs / prompt_len, color=EDGE_COLOR, lw=1, ls="--",
             label="the shared share itself")
-    ax.set_xlabel(f"tokens the prompt shares with earlier ones (of {prompt_len})", fontsize=9)
+    ax.set_xlabel(f"tokens the prompt shares with earlier ones (of {prompt_len})",
+                  fontsize=9)
     ax.set_ylabel("share of the prompt found cached", fontsize=9)
     ax.set_ylim(0, 1.02)
     ax.tick_params(labelsize=9)
@@ -148,7 +157,8 @@ def plot_prefill(rows) -> Figure:
         vals = [r[k] for r in rows]
         ax.barh(labels, vals, color=[PALETTE[i] for i in range(len(rows))])
         for i, v in enumerate(vals):
-            ax.text(v, i, f" {v:,.0f}" if k == 1 else f" {v:.1f}", va="center", fontsize=9)
+            ax.text(v, i, f" {v:,.0f}" if k == 1 else f" {v:.1f}", va="center",
+                    fontsize=9)
         ax.set_xlim(0, max(vals) * 1.25)
         ax.set_title(what, fontsize=10)
         ax.tick_params(labelsize=9)
@@ -157,8 +167,9 @@ def plot_prefill(rows) -> Figure:
 
 
 def plot_preemption(runs) -> Figure:
-    """Serving one trace three ways (:func:`~pagedkv.sim.preemption.compare_preemption`):
-    requests running at each step, throughput, and latency (mean and 90th percentile)."""
+    """Serving one trace three ways
+    (:func:`~pagedkv.sim.preemption.compare_preemption`): requests running at each step,
+    throughput, and latency (mean and 90th percentile)."""
     fig = Figure(figsize=(10, 3.4), layout="constrained")
     axes = fig.subplots(1, 3, width_ratios=[2.2, 1, 1])
     for i, p in enumerate(runs):

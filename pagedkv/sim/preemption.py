@@ -1,11 +1,12 @@
-"""Preemption in the simulation: by recompute (:func:`~pagedkv.sim.serving.recompute`), by swap
-(:func:`swap` with a :class:`SwapPolicy`), or none at all (:class:`ReservePolicy` reserves each
-request's worst case), and the three compared on one trace under memory pressure.
+"""Preemption in the simulation: by recompute (:func:`~pagedkv.sim.serving.recompute`),
+by swap (:func:`swap` with a :class:`SwapPolicy`), or none at all
+(:class:`ReservePolicy` reserves each request's worst case), and the three compared on
+one trace under memory pressure.
 
 Time in the simulation is counted in decode steps, and a step computes at most the token
 budget's worth of tokens, so recomputation costs time: a preempted request's tokens are
-prefilled again, out of the same budget. Swapping computes nothing again; what it costs is
-bytes over the host link, counted here in blocks (and bytes).
+prefilled again, out of the same budget. Swapping computes nothing again; what it costs
+is bytes over the host link, counted here in blocks (and bytes).
 """
 from __future__ import annotations
 
@@ -35,14 +36,15 @@ def swap(queue, batch, policy, watch, step: int) -> None:
 
 
 class SwapPolicy(PagedPolicy):
-    """Paging that preempts by swapping into a host pool of ``host_bytes``. The copies of a
-    step are batched: all its swap-ins in one call, then all its swap-outs in one call,
-    made when the step runs (before any K/V of that step is written)."""
+    """Paging that preempts by swapping into a host pool of ``host_bytes``. The copies
+    of a step are batched: all its swap-ins in one call, then all its swap-outs in one
+    call, made when the step runs (before any K/V of that step is written)."""
 
     def __init__(self, pool_bytes: int, block_size: int, *, host_bytes: int, **paged):
         super().__init__(pool_bytes, block_size, **paged)
         block_bytes = self.manager.allocator.block_bytes
-        host = HostPool(positive_int(host_bytes, "host_bytes") // block_bytes, block_bytes)
+        host_blocks = positive_int(host_bytes, "host_bytes") // block_bytes
+        host = HostPool(host_blocks, block_bytes)
         self.swapper = Swapper(self.manager, host)
         self.name = f"paged {self.block_size}, swap"
         cache = self.kv.cache
@@ -50,7 +52,8 @@ class SwapPolicy(PagedPolicy):
         self.pending_in, self.pending_out = [], []
 
     def swap_out(self, rid: int) -> None:
-        """Park the request's blocks on the host; recompute instead if there is no room."""
+        """Park the request's blocks on the host; recompute instead if there is no room.
+        """
         try:
             self.pending_out.append(self.swapper.swap_out([rid]))
         except OutOfBlocks:
@@ -70,11 +73,11 @@ class SwapPolicy(PagedPolicy):
         return True
 
     def step(self, ids) -> bool:
-        free = self.manager.allocator.num_free       # (no two requests share a block here)
+        free = self.manager.allocator.num_free       # (requests share no block here)
         if self.pending_out and sum(map(self.manager.blocks_needed, ids)) > free:
             return False                              # preempt more before copying
-        self._copy(copy_to_device, self.pending_in)   # swap-ins first: a request swapped in
-        self._copy(copy_to_host, self.pending_out)    # this step may be swapped out again
+        self._copy(copy_to_device, self.pending_in)   # swap-ins first: a request back
+        self._copy(copy_to_host, self.pending_out)    # this step may leave again
         return super().step(ids)
 
     def _copy(self, copy, pending) -> None:
@@ -88,21 +91,22 @@ class SwapPolicy(PagedPolicy):
 
 
 class ReservePolicy(PagedPolicy):
-    """Paging without preemption: admission reserves the blocks of the longest a request may
-    grow (the workload's ``max_len``: a server knows its limit, not the answer's length), so a
-    step never runs out of blocks."""
+    """Paging without preemption: admission reserves the blocks of the longest a request
+    may grow (the workload's ``max_len``: a server knows its limit, not the answer's
+    length), so a step never runs out of blocks."""
 
     def __init__(self, pool_bytes: int, block_size: int, *, max_len: int, **paged):
-        super().__init__(pool_bytes, block_size, max_len=max_len, watermark=0.0, **paged)
+        super().__init__(pool_bytes, block_size, max_len=max_len, watermark=0.0,
+                         **paged)
         self.reserve = cdiv(positive_int(max_len, "max_len"), self.block_size)
         self.reserved = 0
         self.name = f"paged {self.block_size}, reserve"
 
     def check(self, workload) -> None:
         if self.reserve > self.manager.allocator.num_blocks:
-            raise ConfigError(f"a request reserves {self.reserve} blocks ({self.reserve} x "
-                              f"{self.block_size} >= max_len); the pool has "
-                              f"{self.manager.allocator.num_blocks}")
+            raise ConfigError(f"a request reserves {self.reserve} blocks "
+                              f"({self.reserve} x {self.block_size} >= max_len); the "
+                              f"pool has {self.manager.allocator.num_blocks}")
         super().check(workload)
 
     def admit(self, req, length: int) -> bool:
@@ -129,7 +133,8 @@ class Latency(Observer):
         self.steps[rid] = step - self.arrival[rid]
 
     def normalized(self) -> np.ndarray:
-        """Latency per generated token (the vLLM paper's *normalized latency*), per request."""
+        """Latency per generated token (the vLLM paper's *normalized latency*), per
+        request."""
         return np.array([s / self.output[r] for r, s in sorted(self.steps.items())])
 
 
@@ -150,8 +155,8 @@ class PreemptionRun:
 def compare_preemption(workload, pool_bytes: int, *, block_size: int = 16,
                        host_bytes: int, max_seqs: int = 256,
                        token_budget: int = TOKEN_BUDGET, write: bool = False) -> list:
-    """The same trace served three ways: paged with recompute, paged with swap, and paged
-    reserving each request's worst case (no preemption)."""
+    """The same trace served three ways: paged with recompute, paged with swap, and
+    paged reserving each request's worst case (no preemption)."""
     runs = []
     for name in ("recompute", "swap", "reserve worst case"):
         options = dict(max_seqs=max_seqs, max_len=workload.max_len, write=write)
@@ -161,7 +166,8 @@ def compare_preemption(workload, pool_bytes: int, *, block_size: int = 16,
         elif name == "recompute":
             policy, preempt = PagedPolicy(pool_bytes, block_size, **options), recompute
         else:
-            policy, preempt = ReservePolicy(pool_bytes, block_size, **options), recompute
+            policy = ReservePolicy(pool_bytes, block_size, **options)
+            preempt = recompute
         latency = Latency(workload)
         run = serve(workload, policy, max_seqs=max_seqs, token_budget=token_budget,
                     observers=[latency], preempt=preempt)
@@ -178,7 +184,8 @@ def preemption_table(runs) -> str:
     for p in runs:
         r, lat = p.run, np.array(list(p.latency.steps.values()))
         rows.append(f"{p.name:<19}{r.steps:>6}{p.throughput:>9.1f}{lat.mean():>8.0f}"
-                    f"{np.percentile(lat, 90):>6.0f}{p.latency.normalized().mean():>8.2f}"
+                    f"{np.percentile(lat, 90):>6.0f}"
+                    f"{p.latency.normalized().mean():>8.2f}"
                     f"{r.preemptions:>8}{r.recomputed_tokens:>8}"
                     f"{p.swapped_blocks * p.block_bytes / 2**20:>9.1f}")
     return "\n".join(rows)
