@@ -22,6 +22,7 @@ the list.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 import statistics
@@ -32,6 +33,7 @@ import numpy as np
 
 from .. import fast
 from ..allocator import BlockAllocator
+from . import cpu_name
 from ..fast.prefix import PrefixCachingManager as FastPrefixCachingManager
 from ..prefix_cache import PrefixCachingManager
 
@@ -116,7 +118,9 @@ def run(repeat: int = 7, peers: bool = False) -> dict:
         except Exception as exc:              # not there, or not the shape we call
             r["nano_vllm"] = f"not importable ({type(exc).__name__}: {exc})"
     r.update(python=platform.python_version(), numpy=np.__version__,
-             machine=platform.machine())
+             machine=platform.machine(), cpu=cpu_name(),
+             date=datetime.datetime.now(datetime.timezone.utc)
+             .strftime("%Y-%m-%d %H:%M UTC"))
     return r
 
 
@@ -135,7 +139,7 @@ def report(r: dict) -> None:
             print(f"  {label:<42} {r[key]:>10.1f} median {r[key + '_min']:>10.1f} min")
     if "nano_vllm_prefix_hit_us" not in r and "nano_vllm" in r:
         print(f"  nano-vllm: {r['nano_vllm']}")
-    print(f"(Python {r['python']}, NumPy {r['numpy']}, {r['machine']})")
+    print(f"(Python {r['python']}, NumPy {r['numpy']}, {r['cpu']}, {r['date']})")
 
 
 def main(argv=None) -> int:
@@ -150,6 +154,7 @@ def main(argv=None) -> int:
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
     r = run(args.repeat, args.peers)
+    r["command"] = " ".join(["python -m pagedkv.bench.prefix", *(argv or sys.argv[1:])])
     if args.json:
         print(json.dumps(r))
     else:

@@ -115,7 +115,7 @@ def draw_cache(snapshots, titles, *, ncols: int = 16, seq_colors=None) -> Figure
         ax.axis("off")
         ax.set_title(title, fontsize=10, loc="left")
     handles = [Patch(facecolor=PALETTE[0], edgecolor=EDGE_COLOR,
-                     label="held by a sequence"),
+                     label="held by a sequence (its colour)"),
                Patch(facecolor=SHARED_COLOR, edgecolor=EDGE_COLOR,
                      label="held by several"),
                Patch(facecolor=IDLE_COLOR, edgecolor=EDGE_COLOR,
@@ -174,7 +174,8 @@ def plot_preemption(runs) -> Figure:
     axes = fig.subplots(1, 3, width_ratios=[2.2, 1, 1])
     for i, p in enumerate(runs):
         s = p.run.series
-        axes[0].plot(s["step"], s["running"], color=PALETTE[i], lw=1.2, label=p.name)
+        axes[0].plot(s["step"], s["running"], color=PALETTE[i], lw=1.2, label=p.name,
+                     ls=("-", "--", "-")[i % 3])     # (recompute and swap may coincide)
         lat = np.array(list(p.latency.steps.values()))
         axes[1].bar(i, p.throughput, color=PALETTE[i])
         axes[2].bar(i, lat.mean(), color=PALETTE[i])
