@@ -1,29 +1,37 @@
-"""Prefix caching: full blocks named by their tokens, kept after their last owner leaves, and
-found again by the next request that starts with the same tokens.
+"""Prefix caching: full blocks named by their tokens, kept after their last owner
+leaves, and found again by the next request that starts with the same tokens.
 
-A full block is named by a *chained hash*: block ``j`` of a sequence hashes its own tokens with
-the hash of block ``j - 1`` as the seed (``xxh3_64``), so equal hashes mean equal prefixes, up to
-a hash collision. A collision must never hand a request someone else's K/V, so a hit is
-confirmed exactly: the cached block's own tokens must equal the request's, and the block must
-have been computed after the very block the request matched just before it (each cached block
-remembers its parent's *serial number*, a counter that is never reused).
+A full block is named by a *chained hash*: block ``j`` of a sequence hashes its own
+tokens with the hash of block ``j - 1`` as the seed (``xxh3_64``), so equal hashes mean
+equal prefixes, up to a hash collision. A collision must never hand a request someone
+else's K/V, so a hit is confirmed exactly: the cached block's own tokens must equal the
+request's, and the block must have been computed after the very block the request
+matched just before it (each cached block remembers its parent's *serial number*, a
+counter that is never reused).
 
-:class:`CachedBlocks` wraps a :class:`~pagedkv.allocator.BlockAllocator` with the same calls and
-adds the cache. Its state, besides the allocator::
+:class:`CachedBlocks` wraps a :class:`~pagedkv.allocator.BlockAllocator` with the same
+calls and adds the cache. Its state, besides the allocator::
 
     _block_of   hash -> block: the index of cached blocks
-    _entry      block -> Entry(hash, tokens, serial, parent serial): what a cached block holds
+    _entry      block -> Entry(hash, tokens, serial, parent serial, parent hash): what a
+                cached block holds
     _idle       cached blocks that no sequence maps, least recently used first
 
-An idle block is owned by the cache: the allocator counts it with one owner, so the allocator's
-own invariants hold unchanged, while to everyone else it is free (``num_free`` counts it and
-``refcount`` says 0). A fresh block comes from the allocator's free stack while it has one;
-after that the least recently used idle block is evicted (its hash forgotten, so it can never
-answer to it again). Invariants, checked by :meth:`CachedBlocks.audit`: every index entry names a
-block whose entry has that hash; every idle block is cached and has exactly one owner.
+An idle block is owned by the cache: the allocator counts it with one owner, so the
+allocator's own invariants hold unchanged, while to everyone else it is free
+(``num_free`` counts it and ``refcount`` says 0). A fresh block comes from the
+allocator's free stack while it has one; after that the least recently used idle block
+is evicted (its hash forgotten, so it can never answer to it again). Invariants, checked
+by :meth:`CachedBlocks.audit`: every index entry names a block whose entry has that
+hash, and that hash is the chained hash of the entry's tokens; every idle block is
+cached and has exactly one owner.
 
-:class:`PrefixCachingManager` is the :class:`~pagedkv.manager.KVCacheManager` over such a pool.
-Its calls take token ids instead of counts, since a block is named by its tokens.
+:class:`PrefixCachingManager` is the :class:`~pagedkv.manager.KVCacheManager` over such
+a pool. Its calls take token ids instead of counts, since a block is named by its
+tokens. A sequence frees its blocks last one first, so that its tail is evicted before
+its head (a cached block is only found through the blocks before it). With
+``caching=False`` it keeps the token ids but caches nothing: the same engine code runs
+with and without the cache.
 """
 from __future__ import annotations
 
@@ -42,21 +50,23 @@ __all__ = ["block_hash", "CachedBlocks", "PrefixCachingManager", "PrefillPlan"]
 
 
 def block_hash(parent: int, tokens: tuple) -> int:
-    """The chained hash of a full block: its tokens (as int64 bytes), seeded by its parent's
-    hash (0 for a sequence's first block)."""
-    return xxhash.xxh3_64_intdigest(np.array(tokens, dtype=np.int64).tobytes(), seed=parent)
+    """The chained hash of a full block: its tokens (as int64 bytes), seeded by its
+    parent's hash (0 for a sequence's first block)."""
+    data = np.array(tokens, dtype=np.int64).tobytes()
+    return xxhash.xxh3_64_intdigest(data, seed=parent)
 
 
 class Entry(NamedTuple):
     hash: int
     tokens: tuple        # the block's own tokens
     serial: int          # unique to this caching of this block
-    parent: int          # the serial of the block before it (0: the sequence's first block)
+    parent: int          # the serial of the block before it (0: a sequence's first)
+    parent_hash: int     # the hash it was chained from (0: the sequence's first block)
 
 
 class CachedBlocks:
-    """A :class:`~pagedkv.allocator.BlockAllocator` that keeps full blocks after their last
-    owner frees them, until their block is needed for something else."""
+    """A :class:`~pagedkv.allocator.BlockAllocator` that keeps full blocks after their
+    last owner frees them, until their block is needed for something else."""
 
     def __init__(self, allocator):
         self.allocator = allocator
@@ -67,7 +77,7 @@ class CachedBlocks:
         self._serials = itertools.count(1)
         self.hits = self.evictions = 0
 
-    # -------------------------------------------------------------- the allocator's calls
+    # ---------------------------------------------------------- the allocator's calls
     @property
     def num_free(self) -> int:
         return self.allocator.num_free + len(self._idle)
@@ -87,15 +97,18 @@ class CachedBlocks:
     def allocate(self) -> int:
         """A fresh block: from the free stack, else the least recently used idle one."""
         if self.allocator.num_free or not self._idle:
-            return self.allocator.allocate()       # (raises OutOfBlocks when both are empty)
-        block, _ = self._idle.popitem(last=False)  # evict: it keeps its one owner, the caller
+            return self.allocator.allocate()       # (OutOfBlocks when both are empty)
+        block, _ = self._idle.popitem(last=False)  # evict: its one owner is the caller
         del self._block_of[self._entry.pop(block).hash]
         self.evictions += 1
         return block
 
     def free(self, block: int) -> None:
         """Drop one owner; a cached block whose last owner leaves stays, idle."""
-        if self.refcount(block) == 1 and block in self._entry:
+        owners = self.refcount(block)
+        if owners == 0:                            # free, or idle: nobody's to drop
+            raise DoubleFree(f"block {block} is already free")
+        if owners == 1 and block in self._entry:
             self._idle[block] = None               # most recently used: evicted last
         else:
             self.allocator.free(block)
@@ -103,13 +116,13 @@ class CachedBlocks:
     def free_n(self, blocks) -> None:
         for b, drops in Counter(blocks).items():   # all or nothing, as the allocator's
             if drops > self.refcount(b):
-                raise DoubleFree(f"block {b} has {self.refcount(b)} owner(s), cannot drop "
-                                 f"{drops}")
+                raise DoubleFree(f"block {b} has {self.refcount(b)} owner(s), cannot "
+                                 f"drop {drops}")
         for b in blocks:
             self.free(b)
 
     def share_n(self, blocks, times: int = 1) -> None:
-        self.allocator.share_n(blocks, times)      # (blocks a page table maps are never idle)
+        self.allocator.share_n(blocks, times)      # (mapped blocks are never idle)
 
     # -------------------------------------------------------------- the cache
     def lookup(self, hash_: int, tokens: tuple, parent: int):
@@ -127,8 +140,8 @@ class CachedBlocks:
         return block in self._idle
 
     def take(self, block: int) -> None:
-        """Add an owner to a cached block found by :meth:`lookup` (an idle one leaves the idle
-        list in O(1) and keeps the cache's owner count as its new owner's)."""
+        """Add an owner to a cached block found by :meth:`lookup` (an idle one leaves
+        the idle list in O(1) and keeps the cache's owner count as its new owner's)."""
         if block in self._idle:
             del self._idle[block]
         else:
@@ -140,18 +153,26 @@ class CachedBlocks:
         block = self._block_of.get(hash_)
         return None if block is None else self._entry[block].serial
 
-    def insert(self, block: int, hash_: int, tokens: tuple, parent: int) -> None:
-        """Cache a full block. If another block already holds this hash (two requests computed
-        the same prefix at once), the first stays the one the index answers with."""
+    def insert(self, block: int, hash_: int, tokens: tuple, parent: int,
+               parent_hash: int) -> None:
+        """Cache a full block. If another block already holds this hash (two requests
+        computed the same prefix at once), the first stays the one the index answers
+        with."""
         if hash_ not in self._block_of and block not in self._entry:
             self._block_of[hash_] = block
-            self._entry[block] = Entry(hash_, tokens, next(self._serials), parent)
+            self._entry[block] = Entry(hash_, tokens, next(self._serials), parent,
+                                       parent_hash)
 
     def audit(self) -> None:
         self.allocator.audit()
         for hash_, block in self._block_of.items():
-            if self._entry.get(block, Entry(None, (), 0, 0)).hash != hash_:
-                raise AuditError(f"the index names block {block} for a hash it does not hold")
+            entry = self._entry.get(block)
+            if entry is None or entry.hash != hash_:
+                raise AuditError(f"the index names block {block} for a hash it does "
+                                 f"not hold")
+            if block_hash(entry.parent_hash, entry.tokens) != hash_:
+                raise AuditError(f"block {block} is indexed under a hash that is not "
+                                 f"the hash of its tokens")
         if len(self._entry) != len(self._block_of):
             raise AuditError("a cached block is missing from the index")
         for block in self._idle:
@@ -160,29 +181,33 @@ class CachedBlocks:
 
 
 class PrefillPlan(NamedTuple):
-    """A prompt's admission: the first ``cached_tokens`` tokens' K/V was found in the cache;
-    the slots are those of the tokens that remain to be computed."""
+    """A prompt's admission: the first ``cached_tokens`` tokens' K/V was found in the
+    cache; the slots are those of the tokens that remain to be computed."""
     slots: np.ndarray
     copies: np.ndarray
     cached_tokens: int
 
 
 class PrefixCachingManager(KVCacheManager):
-    """A :class:`~pagedkv.manager.KVCacheManager` whose full blocks are cached by content.
-    ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots will hold."""
+    """A :class:`~pagedkv.manager.KVCacheManager` whose full blocks are cached by
+    content. ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots
+    will hold. With ``caching=False`` nothing is ever cached or found (the plain
+    manager's behaviour)."""
 
-    def __init__(self, allocator, block_size: int):
+    def __init__(self, allocator, block_size: int, *, caching: bool = True):
         super().__init__(CachedBlocks(allocator), block_size)
         self.cache = self.allocator
+        self.caching = bool(caching)
         self._tokens: dict = {}       # sequence id -> its token ids
-        self._hashes: dict = {}       # sequence id -> hashes of its cached-so-far full blocks
+        self._hashes: dict = {}       # sequence id -> hashes of its full blocks
 
     def _find_prefix(self, tokens: list) -> tuple[list, list]:
-        """Cached blocks holding the leading full blocks of ``tokens``, and their hashes,
-        stopping at the first miss. At least the last token is left to compute: it is the one
-        whose logits are needed, so a prompt never hits a block that ends the prompt."""
+        """Cached blocks holding the leading full blocks of ``tokens``, and their
+        hashes, stopping at the first miss. At least the last token is left to compute:
+        it is the one whose logits are needed, so a prompt never hits a block that ends
+        the prompt."""
         bs, blocks, hashes, parent = self.block_size, [], [], 0
-        for j in range((len(tokens) - 1) // bs):
+        for j in range((len(tokens) - 1) // bs if self.caching else 0):
             block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
             hash_ = block_hash(hashes[-1] if hashes else 0, block_tokens)
             hit = self.cache.lookup(hash_, block_tokens, parent)
@@ -193,14 +218,30 @@ class PrefixCachingManager(KVCacheManager):
             hashes.append(hash_)
         return blocks, hashes
 
+    def _blocks_to_add(self, tokens: list, hits: list) -> int:
+        """Free blocks admitting ``tokens`` takes: fresh blocks for what the cache
+        lacks, and one for each hit on an idle block (idle blocks count as free until
+        taken)."""
+        fresh = -(-len(tokens) // self.block_size) - len(hits)
+        return fresh + sum(map(self.cache.is_idle, hits))
+
+    def cached_prefix(self, tokens) -> int:
+        """How many leading tokens of a new sequence ``tokens`` the cache holds now (a
+        multiple of the block size, less than ``len(tokens)``). Changes nothing."""
+        return len(self._find_prefix(_token_list(tokens))[0]) * self.block_size
+
+    def blocks_to_add(self, tokens) -> int:
+        """Free blocks ``add(seq, tokens)`` would take now. Changes nothing."""
+        tokens = _token_list(tokens)
+        return self._blocks_to_add(tokens, self._find_prefix(tokens)[0])
+
     def add(self, seq_id, tokens) -> PrefillPlan:
-        """Admit a prompt: its leading full blocks from the cache where they are there, fresh
-        blocks for the rest. All or nothing, as :meth:`KVCacheManager.add`."""
+        """Admit a prompt: its leading full blocks from the cache where they are there,
+        fresh blocks for the rest. All or nothing, as :meth:`KVCacheManager.add`."""
         self._check_new(seq_id, "sequence")
         tokens = _token_list(tokens)
         hits, hashes = self._find_prefix(tokens)
-        idle = sum(map(self.cache.is_idle, hits))  # hits on idle blocks take a free block too
-        need = -(-len(tokens) // self.block_size) - len(hits) + idle
+        need = self._blocks_to_add(tokens, hits)
         if need > self.cache.num_free:
             raise OutOfBlocks(need, self.cache.num_free, f"add {seq_id!r}")
         for b in hits:
@@ -222,13 +263,13 @@ class PrefixCachingManager(KVCacheManager):
         return plan
 
     def step(self, seq_ids=None, tokens=None) -> StepPlan:
-        """One decode step; ``tokens[i]`` is the token whose K/V goes into sequence ``i``'s
-        new slot (the one sampled at the step before)."""
+        """One decode step; ``tokens[i]`` is the token whose K/V goes into sequence
+        ``i``'s new slot (the one sampled at the step before)."""
         ids = self.seq_ids if seq_ids is None else list(seq_ids)
         tokens = _token_list(tokens)
         if len(tokens) != len(ids):
-            raise ConfigError(f"step: one token per sequence, got {len(tokens)} token(s) "
-                              f"for {len(ids)} sequence(s)")
+            raise ConfigError(f"step: one token per sequence, got {len(tokens)} "
+                              f"token(s) for {len(ids)} sequence(s)")
         plan = super().step(ids)
         for seq_id, token in zip(ids, tokens):
             self._tokens[seq_id].append(token)
@@ -237,15 +278,21 @@ class PrefixCachingManager(KVCacheManager):
         return plan
 
     def _cache_full_blocks(self, seq_id) -> None:
-        """Name (and cache) each full block of the sequence that is not named yet."""
+        """Name (and cache) each full block of the sequence that is not named yet. A
+        block is cached when its slots are planned: the caller writes them before anyone
+        reads them."""
+        if not self.caching:
+            return
         bs, tokens, hashes = self.block_size, self._tokens[seq_id], self._hashes[seq_id]
         blocks = self._tables[seq_id].blocks
         for j in range(len(hashes), len(tokens) // bs):
             block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
-            hashes.append(block_hash(hashes[-1] if hashes else 0, block_tokens))
-            parent = self.cache.serial(hashes[-2]) if j else 0
+            parent_hash = hashes[-1] if hashes else 0
+            hashes.append(block_hash(parent_hash, block_tokens))
+            parent = self.cache.serial(parent_hash) if j else 0
             if parent is not None:                 # its parent is still cached
-                self.cache.insert(blocks[j], hashes[-1], block_tokens, parent)
+                self.cache.insert(blocks[j], hashes[-1], block_tokens, parent,
+                                  parent_hash)
 
     def fork(self, parent, *children) -> None:
         super().fork(parent, *children)
@@ -254,24 +301,29 @@ class PrefixCachingManager(KVCacheManager):
             self._hashes[child] = list(self._hashes[parent])
 
     def free(self, seq_id) -> None:
-        super().free(seq_id)
-        del self._tokens[seq_id], self._hashes[seq_id]
+        """Release the sequence's blocks, the last one first: a cached block can only be
+        found through the blocks before it, so the tail should be evicted before the
+        head."""
+        self.cache.free_n(self._table(seq_id).blocks[::-1])
+        del self._tables[seq_id], self._tokens[seq_id], self._hashes[seq_id]
 
     def audit(self) -> None:
-        """The manager's and the cache's invariants, and: each sequence holds K/V for as many
-        tokens as it has ids, and every cached block it maps holds the tokens its entry says."""
+        """The manager's and the cache's invariants, and: each sequence holds K/V for as
+        many tokens as it has ids, and every cached block it maps holds the tokens its
+        entry says."""
         super().audit()
         bs = self.block_size
         for seq_id, table in self._tables.items():
             tokens = self._tokens[seq_id]
             if len(tokens) != table.num_tokens:
-                raise AuditError(f"sequence {seq_id!r} has {table.num_tokens} tokens of K/V "
-                                 f"but {len(tokens)} token ids")
+                raise AuditError(f"sequence {seq_id!r} has {table.num_tokens} tokens "
+                                 f"of K/V but {len(tokens)} token ids")
             for j, block in enumerate(table.blocks[:len(tokens) // bs]):
                 entry = self.cache._entry.get(block)
-                if entry is not None and entry.tokens != tuple(tokens[j * bs:(j + 1) * bs]):
-                    raise AuditError(f"block {block} is cached for other tokens than the "
-                                     f"ones sequence {seq_id!r} holds in it")
+                own = tuple(tokens[j * bs:(j + 1) * bs])
+                if entry is not None and entry.tokens != own:
+                    raise AuditError(f"block {block} is cached for other tokens than "
+                                     f"the ones sequence {seq_id!r} holds in it")
 
     def tokens(self, seq_id) -> list:
         """The token ids the sequence holds K/V for."""
@@ -280,8 +332,10 @@ class PrefixCachingManager(KVCacheManager):
 
 
 def _token_list(tokens) -> list:
-    """Token ids as a list of Python ints; anything but non-negative integers is an error."""
+    """Token ids as a list of Python ints; anything but non-negative integers is an
+    error."""
     ids = np.asarray([] if tokens is None else tokens)
     if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0)):
-        raise ConfigError(f"token ids must be a list of non-negative integers, got {tokens!r}")
+        raise ConfigError(f"token ids must be a list of non-negative integers, "
+                          f"got {tokens!r}")
     return ids.tolist()

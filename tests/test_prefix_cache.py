@@ -149,6 +149,21 @@ def test_a_hash_collision_is_refused_by_the_token_check(monkeypatch):
     assert plan.cached_tokens == 0
 
 
+def test_a_chain_collision_is_refused_by_the_parent_check(monkeypatch):
+    """A hash that forgets the parent makes the block (0, 0, 0, 0) after (3, 4, 5, 6) and the
+    one after (1, 2, 3, 3) look the same. The cached one was computed after (3, 4, 5, 6); a
+    request that found (1, 2, 3, 3) must not take it, although its own tokens are equal: the
+    entry remembers its parent's serial number."""
+    real = prefix_cache.block_hash
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent, tokens: real(0, tokens))
+    e = Engine()
+    e.add("b", [3, 4, 5, 6, 0, 0, 0, 0, 1])          # caches both of its full blocks
+    e.add("a", [1, 2, 3, 3, 0, 0, 0, 0, 1])          # its second one is b's twin: not cached
+    plan = e.add("c", [1, 2, 3, 3, 0, 0, 0, 0, 2])   # hits a's first block; b's second ...
+    assert plan.cached_tokens == 4                    # ... is refused, its tokens equal or not
+    assert e.m.page_table("c").blocks[1] != e.m.page_table("b").blocks[1]
+
+
 def test_least_recently_used_idle_block_is_evicted_first():
     e = Engine(num_blocks=4)
     e.add("a", [1, 2, 3, 4, 0])
@@ -207,5 +222,43 @@ def test_audit_catches_a_wrong_cache_entry():
     block = e.m.block_table("a")[0]
     entry = e.m.cache._entry[block]
     e.m.cache._entry[block] = entry._replace(tokens=(1, 2, 3, 5))
+    with pytest.raises(AuditError, match="not the hash of its tokens"):
+        e.m.audit()
+    e.m.cache._entry[block] = entry
+    e.m.audit()
+    e.m._tokens["a"][2] = 9                            # the sequence now says other tokens
     with pytest.raises(AuditError, match="cached for other tokens"):
         e.m.audit()
+
+
+def test_a_freed_sequence_is_evicted_tail_first():
+    """Blocks are found only through the blocks before them, so freeing a sequence puts its
+    last block first in line for eviction: the head of the prefix stays findable."""
+    e = Engine(num_blocks=4)
+    e.add("a", list(range(13)))                        # 3 full blocks and one of 1 token
+    e.m.free("a")                                      # the partial block goes to the free stack
+    e.add("b", [50, 51, 52, 53, 54])                   # 2 blocks: the free one, then evicts one
+    assert e.m.cache.evictions == 1
+    e.m.free("b")
+    assert e.add("c", list(range(9))).cached_tokens == 8       # blocks 0 and 1 are still there
+
+
+def test_caching_off_finds_and_keeps_nothing():
+    m = PrefixCachingManager(BlockAllocator(8, 32, xp=np), 4, caching=False)
+    m.add("a", list(range(9)))
+    m.free("a")
+    assert m.cached_prefix(list(range(9))) == 0 and m.cache.evictions == 0
+    assert m.add("b", list(range(9))).cached_tokens == 0
+    assert m.allocator.num_used == 3 and not m.cache._entry
+    m.audit()
+
+
+def test_queries_change_nothing():
+    e = Engine(num_blocks=8)
+    e.add("a", list(range(10)))
+    e.m.free("a")
+    before = (e.m.cache.num_free, list(e.m.cache._idle), e.m.cache.hits)
+    assert e.m.cached_prefix(list(range(10))) == 8
+    assert e.m.cached_prefix(list(range(8))) == 4       # the last token is always computed
+    assert e.m.blocks_to_add(list(range(10))) == 3      # two idle hits and one fresh block
+    assert (e.m.cache.num_free, list(e.m.cache._idle), e.m.cache.hits) == before

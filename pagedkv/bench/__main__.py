@@ -13,6 +13,9 @@ is a small NumPy array: bookkeeping never touches KV bytes, so its size does not
 * ``decode_step_no_new_block_us`` -- the steps of that loop that need no new block;
 * ``fork_beams_us`` -- a 2048-token sequence forked into 4 beams, each then taking one token
   (one step over the 4 beams);
+* ``prefix_hit_us`` -- a 2048-token prompt whose 128 blocks are cached and idle admitted in a
+  pool of 65,536 blocks, hashing included (and ``prefix_hit_list_us``, the prompt a list of
+  Python ints rather than an array; see :mod:`pagedkv.bench.prefix`);
 * ``teaching_*`` -- the same traces on the teaching core.
 
 With ``--peers``, the same traces through nano-vllm's block manager and vLLM's ``BlockPool``
@@ -36,6 +39,7 @@ import sys
 import numpy as np
 
 from . import BLOCK_SIZE, bench_alloc_free, bench_decode_step, bench_fork_beams, cpu_name
+from . import prefix
 
 
 def run(repeat: int = 7) -> dict:
@@ -55,6 +59,9 @@ def run(repeat: int = 7) -> dict:
     put("teaching_decode_step_us", bench_decode_step("teaching", repeat)[0])
     put("fork_beams_us", bench_fork_beams("fast", 20 * repeat))
     put("teaching_fork_beams_us", bench_fork_beams("teaching", 20 * repeat))
+    put("prefix_hit_us", prefix.prefix_hit(50 * repeat, "fast", as_array=True))
+    put("prefix_hit_list_us", prefix.prefix_hit(50 * repeat, "fast"))
+    put("teaching_prefix_hit_us", prefix.prefix_hit(20 * repeat))
     r.update(python=platform.python_version(), numpy=np.__version__, machine=platform.machine(),
              cpu=cpu_name(), date=datetime.datetime.now(datetime.timezone.utc)
              .strftime("%Y-%m-%d %H:%M UTC"))
@@ -65,14 +72,18 @@ ROWS = [("one block allocated and freed", "alloc_free_ns", "ns"),
         ("decode step, 1024 seqs x 512 tokens (new blocks)", "decode_step_us", "us"),
         ("  the same inside a running decode loop", "decode_step_in_loop_us", "us"),
         ("  a step in that loop that needs no new block", "decode_step_no_new_block_us", "us"),
-        ("fork 2048 tokens into 4 beams, one token each", "fork_beams_us", "us")]
+        ("fork 2048 tokens into 4 beams, one token each", "fork_beams_us", "us"),
+        ("admit a cached 2048-token prompt, an array", "prefix_hit_us", "us"),
+        ("  the same, the prompt a list of ints", "prefix_hit_list_us", "us")]
+#: The teaching core's number beside a row, where its key is not ``teaching_`` + the row's.
+TEACHING = {"prefix_hit_us": None, "prefix_hit_list_us": "teaching_prefix_hit_us"}
 
 
 def report(r: dict) -> None:
     """The results as a table."""
     print(f"{'operation':<52} {'fast':>10} {'teaching':>10}")
     for label, key, unit in ROWS:
-        teach = r.get("teaching_" + key)
+        teach = r.get(TEACHING.get(key, "teaching_" + key))
         print(f"{label:<52} {r[key]:>8.1f}{unit} " +
               (f"{teach:>8.1f}{unit}" if teach is not None else ""))
     for peer, name in (("nano_vllm", "nano-vllm's block manager"),
@@ -81,6 +92,9 @@ def report(r: dict) -> None:
             print(f"{name} ({r[peer]}), same traces, same process:")
             print(f"{'  one block allocated and freed':<52} {r[peer + '_alloc_free_ns']:>8.1f}ns")
             print(f"{'  decode step (no arrays built)':<52} {r[peer + '_decode_step_us']:>8.1f}us")
+            if peer + "_prefix_hit_us" in r:
+                print(f"{'  admit a cached 2048-token prompt (list)':<52} "
+                      f"{r[peer + '_prefix_hit_us']:>8.1f}us")
         elif peer in r:
             print(f"{name}: {r[peer]}")
     print(f"(Python {r['python']}, NumPy {r['numpy']}, {r['cpu']}, {r['date']})")
@@ -102,6 +116,13 @@ def main(argv=None) -> int:
     if args.peers:
         from . import peers
         r.update(peers.nano_vllm(args.repeat))
+        if "nano_vllm_decode_step_us" in r:
+            try:
+                hits = prefix.nano_vllm_prefix_hit(args.repeat)
+                r["nano_vllm_prefix_hit_us"] = round(statistics.median(hits), 1)
+                r["nano_vllm_prefix_hit_us_min"] = round(min(hits), 1)
+            except Exception as exc:          # a stand-in without the cache's calls
+                r["nano_vllm_prefix_hit"] = f"not run ({type(exc).__name__}: {exc})"
         r.update(peers.vllm_block_pool(args.repeat))
     r["command"] = " ".join(["python -m pagedkv.bench", *argv])
     if args.json:

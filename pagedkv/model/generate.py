@@ -1,12 +1,16 @@
 """Generation with continuous batching on the paged cache.
 
-Requests wait in a queue; each :meth:`Engine.step` does three things:
+Requests wait in a queue; each :meth:`Engine.step` does four things:
 
-1. **admit** waiting requests while the pool can hold them, and prefill their prompts (one
-   forward pass, long prompts in chunks);
-2. **decode**: every live sequence of every running request gains one token (one forward pass
-   through the page tables, one ``manager.step()``);
-3. **finish**: sequences that produced the end token or reached their limit free their blocks.
+1. **swap in** requests that were preempted by swapping, when their blocks fit again;
+2. **admit** waiting requests while the pool can hold them, and prefill their prompts (one
+   forward pass, long prompts in chunks; with the prefix cache, only what it does not hold);
+3. **decode**: every live sequence of every running request gains one token (one forward pass
+   through the page tables, one ``manager.step()``), preempting the most recently admitted
+   request while the step cannot get its blocks;
+4. **finish**: sequences that produced the end token or reached their limit free their blocks.
+
+Admission and preemption are :mod:`pagedkv.model.scheduling`'s part of the engine.
 
 A request asks for greedy decoding, sampling (temperature, top-p, a seeded generator), ``n``
 parallel samples (the prompt is prefilled once and forked ``n`` ways) or beam search of width
@@ -25,9 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import backend
-from ..checks import cdiv, is_int, positive_int
+from ..checks import is_int, positive_int
 from ..errors import ConfigError
+from ..prefix_cache import PrefixCachingManager
 from .llama import Batch, Llama, PagedKV, forward
+from .scheduling import Counts, Scheduling
 
 __all__ = ["SamplingParams", "Sequence", "Request", "Engine", "sample", "log_softmax_topk",
            "beam_select", "best_beams"]
@@ -88,11 +94,10 @@ class Request:
     rng: np.random.Generator
     live: list = field(default_factory=list)      # sequences still decoding
     finished: list = field(default_factory=list)  # completed samples or beam hypotheses
-    prefilled: int = 0                             # prompt tokens in the cache so far
 
     @property
     def done(self) -> bool:
-        return self.prefilled == len(self.prompt) and not self.live
+        return bool(self.finished) and not self.live
 
     def outputs(self) -> list:
         """The answers, best first for beam search (by score per generated token)."""
@@ -159,42 +164,46 @@ def beam_select(scores, top_lp, top_ids, width: int, stop_ids):
 
 # ---------------------------------------------------------------------- the engine
 
-class Engine:
+class Engine(Scheduling):
     """Requests in, answers out, on one model and one paged cache.
 
-    Admission reserves each request's worst case, ``width * ceil((prompt + max_new_tokens) /
-    block_size)`` blocks (every sequence with its own blocks, nothing shared), so that a decode
-    step never runs out of blocks: with no preemption there is nothing else to do when it does.
-    Sharing only makes the real use smaller; ``stats()`` measures it.
+    Admission takes a request when the blocks it needs to start are free; when a decode step
+    cannot get its blocks, the most recently admitted request is preempted, by ``preemption``
+    ``"recompute"`` or ``"swap"`` (into a host pool of ``host_blocks`` blocks). With
+    ``prefix_caching``, full blocks stay cached by their tokens after their sequence leaves,
+    and a new prompt (or a preempted one coming back) starts from the blocks it finds.
     """
 
     def __init__(self, model: Llama, *, num_blocks: int, block_size: int = 16,
                  max_seqs: int = 64, stop_ids=(), prefill_chunk: int = 512,
-                 audit: bool = False, on_step=None):
+                 audit: bool = False, on_step=None, prefix_caching: bool = False,
+                 preemption: str = "recompute", host_blocks: int = 0,
+                 watermark: float = 0.01):
         self.model = model
         self.kv = PagedKV.for_model(model, num_blocks, block_size)
-        self.manager = self.kv.manager
+        # the pool's manager is one that knows token ids, whether or not it caches by them
+        self.manager = self.kv.manager = PrefixCachingManager(self.kv.allocator, block_size,
+                                                              caching=prefix_caching)
         self.block_size = block_size
         self.max_seqs = positive_int(max_seqs, "max_seqs")
         self.prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.audit = audit
         self.on_step = on_step           # called as on_step(engine) after every step
+        self._schedule(watermark, preemption, host_blocks)
         self.waiting: deque = deque()
-        self.running: list = []
+        self.running: list = []          # in admission order: the last is preempted first
+        self.swapped: deque = deque()
         self.finished: list = []
+        self.counts = Counts()
         self._ids = itertools.count()
         self.history: list = []          # one dict per step: what the pool held
 
     # ------------------------------------------------------------------ requests
-    def _worst_case(self, req: Request) -> int:
-        return req.params.width * cdiv(len(req.prompt) + req.params.max_new_tokens,
-                                       self.block_size)
-
     def submit(self, prompt, params: SamplingParams | None = None) -> Request:
         """Queue a request (a list of token ids). Raises :class:`ConfigError` for a prompt
         that is empty, holds ids outside the vocabulary, is longer than the model's context
-        with its new tokens, or could never fit the pool."""
+        with its new tokens, or could never run (admission answers "never": the reason)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
         vocab, context = self.model.config.vocab_size, self.model.config.context
@@ -206,12 +215,9 @@ class Engine:
             raise ConfigError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones "
                               f"exceed the model's context of {context} tokens")
         req = Request(next(self._ids), prompt, params, np.random.default_rng(params.seed))
-        if self._worst_case(req) > self.manager.allocator.num_blocks:
-            raise ConfigError(f"the request may need {self._worst_case(req)} blocks; the pool "
-                              f"has {self.manager.allocator.num_blocks}")
-        if params.width > self.max_seqs:
-            raise ConfigError(f"the request runs {params.width} sequences; at most "
-                              f"{self.max_seqs} run at once")
+        answer, why = self.admission(req)
+        if answer == "never":
+            raise ConfigError(f"refused: {why}")
         self.waiting.append(req)
         return req
 
@@ -220,19 +226,24 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        """Admit and prefill, decode one token for every live sequence, free what finished."""
+        """Swap in, admit and prefill, decode one token for every live sequence, free what
+        finished."""
+        if self.swapper is not None:
+            self.swap_in()
         self.admit()
         self.decode()
         self.finish()
         if self.audit:
             self.manager.audit()
+            if self.swapper is not None:
+                self.swapper.audit()
         self._record()
         if self.on_step is not None:
             self.on_step(self)
 
     def run(self) -> list:
         """Step until every request is done; returns them in the order they finished."""
-        while self.waiting or self.running:
+        while self.waiting or self.running or self.swapped:
             self.step()
         return self.finished
 
@@ -242,47 +253,67 @@ class Engine:
         self.run()
         return reqs
 
-    # ------------------------------------------------------------------ 1. admit
+    # ------------------------------------------------------------------ 2. admit
     def admit(self) -> None:
-        reserved = sum(self._worst_case(r) for r in self.running)
-        live = sum(r.params.width for r in self.running)
-        admitted = []
-        while self.waiting:
+        """Admit from the head of the queue while admission says "now" (none while a
+        swapped-out request waits to come back), then prefill them."""
+        admitted, promised = [], 0
+        while self.waiting and not self.swapped:
             req = self.waiting[0]
-            need = self._worst_case(req)
-            if (reserved + need > self.manager.allocator.num_blocks
-                    or live + req.params.width > self.max_seqs):
+            if self.admission(req, promised)[0] != "now":
                 break                                  # first come, first served
+            promised += self._blocks_to_start(req)
             self.waiting.popleft()
-            reserved, live = reserved + need, live + req.params.width
-            seq = self._new_seq(req.prompt, len(req.prompt))
-            self.manager.add(seq.seq_id)               # blocks come as the prompt is written
-            req.live.append(seq)
+            if not req.live:                           # new (not back from a preemption)
+                req.live.append(self._new_seq(req.prompt, len(req.prompt)))
+            self.running.append(req)
             admitted.append(req)
-        self.running.extend(admitted)
-        self.prefill([r for r in self.running if r.prefilled < len(r.prompt)])
+        self.prefill(admitted)
 
     def prefill(self, reqs) -> None:
-        """Write the prompts' K/V (at most ``prefill_chunk`` tokens a pass; a long prompt takes
-        several passes) and choose each finished prompt's first token."""
-        while reqs:
+        """Write the K/V of every sequence of ``reqs``: a new request's prompt, or all but the
+        pending token of a sequence preempted by recompute. At most ``prefill_chunk`` tokens
+        are computed a pass (a long prompt takes several); a new prompt then chooses its
+        first token(s)."""
+        jobs = [(req, seq) for req in reqs for seq in req.live]
+        while jobs:
             budget, rows, parts = self.prefill_chunk, [], []
-            for req in reqs:
+            for req, seq in jobs:
                 if budget == 0:
                     break
-                seq = req.live[0]
-                n = min(len(req.prompt) - req.prefilled, budget)
-                plan = self.manager.append(seq.seq_id, n)
-                parts.append((seq, req.prompt[req.prefilled:req.prefilled + n],
-                               range(req.prefilled, req.prefilled + n), plan))
-                req.prefilled += n
-                budget -= n
-                rows.append(req)
+                parts.append(self._prefill_part(seq, budget))
+                budget -= len(parts[-1][1])
+                rows.append((req, seq))
             logits = forward(self.model, self.kv, self._batch(parts))
-            for row, req in enumerate(rows):
-                if req.prefilled == len(req.prompt):
-                    self._first_tokens(req, logits[row:row + 1])
-            reqs = [r for r in reqs if r.prefilled < len(r.prompt)]
+            done = set()
+            for row, (req, seq) in enumerate(rows):
+                if self.manager.num_tokens(seq.seq_id) == _cached_target(seq):
+                    done.add(seq.seq_id)
+                    if not seq.generated:              # a new prompt: its first token(s)
+                        self._first_tokens(req, logits[row:row + 1])
+            jobs = [(req, seq) for req, seq in jobs if seq.seq_id not in done]
+
+    def _prefill_part(self, seq: Sequence, budget: int):
+        """Plan the next chunk of a sequence's prefill: (sequence, tokens, positions, plan).
+        Its first chunk starts after what the prefix cache holds. Blocks are cached as they
+        are planned, and the pass that follows writes them before any sequence reads them."""
+        target, m = _cached_target(seq), self.manager
+        if seq.seq_id in m:
+            start = m.num_tokens(seq.seq_id)
+            n = min(target - start, budget)
+            plan = m.append(seq.seq_id, seq.tokens[start:start + n])
+        else:
+            start = m.cached_prefix(seq.tokens[:target])
+            n = min(target - start, budget)
+            plan = m.add(seq.seq_id, seq.tokens[:start + n])
+            self.counts.prompt_tokens += start
+            if seq.generated:
+                self.counts.refound_tokens += start
+        self.counts.prompt_tokens += n
+        self.counts.computed_tokens += n
+        if seq.generated:
+            self.counts.recomputed_tokens += n
+        return seq, seq.tokens[start:start + n], range(start, start + n), plan
 
     def _batch(self, parts) -> Batch:
         """A :class:`Batch` from (sequence, new tokens, their positions, plan) for each row."""
@@ -319,12 +350,11 @@ class Engine:
 
     # ------------------------------------------------------------------ 2. decode
     def decode(self) -> None:
-        """One token for every live sequence: one ``manager.step()``, one forward pass."""
-        reqs = [r for r in self.running if r.live and r.prefilled == len(r.prompt)]
-        seqs = [s for r in reqs for s in r.live]
-        if not seqs:
+        """One token for every live sequence: one ``manager.step()`` (preempting while it
+        cannot get its blocks), one forward pass."""
+        reqs, seqs, plan = self.step_or_preempt()
+        if plan is None:
             return
-        plan = self.manager.step([s.seq_id for s in seqs])
         batch = Batch(
             tokens=np.array([s.tokens[-1] for s in seqs], dtype=np.int32),
             positions=plan.seq_lens - 1, slots=plan.slot_mapping,
@@ -404,4 +434,11 @@ class Engine:
         self.history.append(dict(
             used_blocks=s.used_blocks, shared_blocks=s.shared_blocks,
             blocks_saved=s.blocks_saved_by_sharing, sequences=s.sequences, tokens=s.tokens,
-            copies=self.kv.copies_done, running=len(self.running), waiting=len(self.waiting)))
+            copies=self.kv.copies_done, running=len(self.running), waiting=len(self.waiting),
+            swapped=len(self.swapped), preemptions=self.counts.preemptions))
+
+
+def _cached_target(seq: Sequence) -> int:
+    """How many of the sequence's tokens must have their K/V in the cache before it decodes:
+    all of a new prompt, all but the pending last token of a sequence that has generated."""
+    return len(seq.tokens) - (1 if seq.generated else 0)

@@ -6,6 +6,8 @@
 * :mod:`~pagedkv.sim.policies` — paging, and the contiguous reservations that came
   before it, behind one interface;
 * :mod:`~pagedkv.sim.serving` — the continuous-batching loop, :func:`serve`;
+* :mod:`~pagedkv.sim.preemption` — preemption by swap, or none (the worst case reserved),
+  beside recompute;
 * :mod:`~pagedkv.sim.measure` — observers that measure the loop from outside;
 * :mod:`~pagedkv.sim.report` — the chapter's runs, and their numbers as text;
 * :mod:`~pagedkv.sim.sharing` — beam search and parallel sampling, copy-on-write.
@@ -13,6 +15,8 @@
 from .kvdata import BOOKKEEPING, SIM_SPEC, PagedKV, check_bookkeeping, token_values
 from .measure import SERIES, ManagerProbe, Observer, Observers, Recorder, Run
 from .policies import POLICY_NAMES, PagedPolicy, Policy, ReservationPolicy, make_policy
+from .preemption import (Latency, ReservePolicy, SwapPolicy, compare_preemption,
+                         preemption_table, swap)
 from .report import (MiB, compare_policies, dashboard, memory_needed, memory_table,
                      scale_run, simulate, work_table)
 from .serving import TOKEN_BUDGET, Batch, Queue, admit, recompute, serve
@@ -25,4 +29,5 @@ __all__ = ["Request", "Workload", "PRESETS", "make_workload", "SIM_SPEC", "BOOKK
            "Batch", "serve", "admit", "recompute", "Observer", "Observers", "Recorder",
            "ManagerProbe", "Run", "SERIES", "MiB", "simulate", "dashboard",
            "compare_policies", "memory_table", "work_table", "scale_run", "memory_needed",
-           "beam_children", "beam_search", "parallel_sampling", "sharing_savings"]
+           "beam_children", "beam_search", "parallel_sampling", "sharing_savings", "swap",
+           "SwapPolicy", "ReservePolicy", "Latency", "compare_preemption", "preemption_table"]

@@ -39,7 +39,7 @@ class Observer:
     the (request, tokens) at the head of the queue that admission refused this step,
     or None."""
 
-    def admitted(self, step, req, length): ...
+    def admitted(self, step, req, length): ...   # length: the tokens it prefills
     def preempted(self, step, rid, length): ...
     def stepped(self, step, batch, queue, refused): ...
     def left(self, step, rid): ...
@@ -139,14 +139,18 @@ class Recorder(Observer):
                        policy.token_bytes, max_seqs, block_size=policy.block_size,
                        max_len=workload.max_len)
         self.columns = {k: array("q") for k in SERIES}
+        self.preempted_rids: set = set()
         self.t0 = time.perf_counter()
 
     def admitted(self, step, req, length):
         self.run.prefill_tokens += length
+        if req.rid in self.preempted_rids:       # back from a preemption: computed again
+            self.preempted_rids.remove(req.rid)
+            self.run.recomputed_tokens += length
 
     def preempted(self, step, rid, length):
         self.run.preemptions += 1
-        self.run.recomputed_tokens += length
+        self.preempted_rids.add(rid)
 
     def left(self, step, rid):
         self.run.completions += 1

@@ -31,6 +31,7 @@ class Policy:
 
     * ``admit(req, length)`` places a request that starts with ``length`` tokens (its
       prompt, or all it had when it was preempted); False if it does not fit now.
+      ``prefill(req, length)`` says how many of them it must compute (all, by default).
     * ``step(ids)`` gives every running request one more token, all or nothing; False if
       the memory ran out (then the loop preempts a request and tries again).
     * ``release(rid)`` gives a finished or preempted request's memory back.
@@ -52,6 +53,9 @@ class Policy:
 
     def admit(self, req: Request, length: int) -> bool:
         raise NotImplementedError
+
+    def prefill(self, req: Request, length: int) -> int:
+        return length
 
     def step(self, ids) -> bool:
         raise NotImplementedError

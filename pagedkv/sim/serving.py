@@ -92,12 +92,13 @@ def admit(queue, batch, policy, max_seqs: int, budget: int, watch, step: int):
     budget -= len(batch)
     while queue.waiting and len(batch) < max_seqs:
         req, length = queue.waiting[0]
-        if length + 1 > budget or not policy.admit(req, length):
+        prefill = policy.prefill(req, length)   # all its tokens, or none after a swap
+        if prefill + 1 > budget or not policy.admit(req, length):
             return req, length
         queue.waiting.popleft()
         batch.add(req, length)
-        budget -= length + 1
-        watch.admitted(step, req, length)
+        budget -= prefill + 1
+        watch.admitted(step, req, prefill)
     return None
 
 

@@ -1,0 +1,204 @@
+"""The engine's admission (now / later / never) and preemption (recompute and swap), with and
+without the prefix cache: the answers are token-identical to the contiguous-cache oracle in
+every configuration (float32 NumPy), the pool and the host pool are whole again at the end, and
+the audit passes after every step.
+
+Most tests run a randomly initialised tiny Llama (the real code path, fast); two run
+SmolLM2-135M-Instruct itself on chat prompts that share the chat template's system prompt.
+"""
+import numpy as np
+import pytest
+
+import pagedkv.model.scheduling as scheduling
+from pagedkv.errors import ConfigError
+from pagedkv.model import Llama, LlamaConfig, random_weights
+from pagedkv.model.blas import single_thread_blas
+from pagedkv.model.generate import Engine, SamplingParams
+from pagedkv.model.reference import reference_generate
+
+single_thread_blas()
+
+TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
+                   ffn=128, rope_base=10000.0, context=512)
+SEED = 8080
+STOP = (0,)
+BS = 8
+
+PARAMS = {
+    "greedy": SamplingParams(max_new_tokens=16),
+    "sampled": SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=5),
+    "n3": SamplingParams(max_new_tokens=10, temperature=1.0, n=3, seed=6),
+    "beam3": SamplingParams(max_new_tokens=10, beam_width=3),
+}
+# (prefix caching, preemption, host blocks, pool: "roomy" or "tight")
+CONFIGS = {
+    "plain": (False, "recompute", 0, "roomy"),
+    "cache": (True, "recompute", 0, "roomy"),
+    "recompute": (False, "recompute", 0, "tight"),
+    "cache+recompute": (True, "recompute", 0, "tight"),
+    "swap": (False, "swap", 64, "tight"),
+    "cache+swap": (True, "swap", 64, "tight"),
+    "swap, host full": (False, "swap", 2, "tight"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Llama(TINY, random_weights(TINY, SEED), xp=np)
+
+
+def _prompts(seed=SEED, shared=27, tails=(3, 9, 14, 20, 6)):
+    """Prompts that share their first ``shared`` tokens, as chat prompts share a system one."""
+    rng = np.random.default_rng(seed)
+    head = rng.integers(1, TINY.vocab_size, shared).tolist()
+    return [head + rng.integers(1, TINY.vocab_size, n).tolist() for n in tails]
+
+
+def _expected(model, prompts, params):
+    return [[(s.generated, s.score) for s in reference_generate(model, p, params, STOP)]
+            for p in prompts]
+
+
+def _run(model, prompts, params, config):
+    caching, preemption, host_blocks, pool = CONFIGS[config]
+    width = params.width
+    worst = max(width * -(-(len(p) + params.max_new_tokens) // BS) for p in prompts)
+    blocks = worst + 2 if pool == "tight" else 400
+    engine = Engine(model, num_blocks=blocks, block_size=BS, stop_ids=STOP, audit=True,
+                    prefix_caching=caching, preemption=preemption, host_blocks=host_blocks)
+    reqs = engine.generate(prompts, params)
+    assert engine.manager.allocator.num_free == blocks and len(engine.manager) == 0
+    if engine.swapper is not None:
+        assert engine.swapper.host.num_used == 0 and not engine.swapper.swapped
+    return engine, [[(s.generated, s.score) for s in r.outputs()] for r in reqs]
+
+
+def _same(got, expect):
+    for g, e in zip(got, expect):
+        assert [x[0] for x in g] == [x[0] for x in e]
+        assert np.allclose([x[1] for x in g], [x[1] for x in e], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    return {kind: _expected(tiny, _prompts(), p) for kind, p in PARAMS.items()}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("kind", list(PARAMS))
+def test_answers_do_not_change(tiny, expected, kind, config):
+    engine, got = _run(tiny, _prompts(), PARAMS[kind], config)
+    _same(got, expected[kind])
+    caching, preemption, host_blocks, pool = CONFIGS[config]
+    c = engine.counts
+    if pool == "tight":
+        assert c.preemptions > 0, "the tight pool must preempt"
+    else:
+        assert c.preemptions == 0
+    if caching:
+        assert c.cached_tokens >= 3 * 24             # the shared 27 tokens: 3 blocks of 8
+    else:
+        assert c.cached_tokens == 0
+    if preemption == "swap" and host_blocks >= 64:
+        assert c.swapped_out > 0 and c.swapped_in > 0 and c.recomputed_tokens == 0
+        if caching:                                  # the cache may still hold some blocks
+            assert c.swapped_in <= c.swapped_out or PARAMS[kind].width > 1
+        elif PARAMS[kind].width == 1:                # no sharing: every block goes both ways
+            assert c.swapped_out == c.swapped_in
+    if pool == "tight" and (preemption == "recompute" or host_blocks < 64):
+        assert c.recomputed_tokens > 0
+
+
+def test_recompute_hits_the_cache_on_return(tiny):
+    """A sequence preempted by recompute finds its own full blocks still cached."""
+    prompts, params = _prompts(tails=(1, 2, 3)), SamplingParams(max_new_tokens=40)
+    off, _ = _run(tiny, prompts, params, "recompute")
+    on, _ = _run(tiny, prompts, params, "cache+recompute")
+    assert off.counts.preemptions > 0 and on.counts.preemptions > 0
+    assert off.counts.refound_tokens == 0 and on.counts.refound_tokens > 0
+    assert on.counts.recomputed_tokens < off.counts.recomputed_tokens
+
+
+def test_one_copy_per_direction_per_step(tiny, monkeypatch):
+    calls = []
+    for module, name in ((scheduling, "copy_to_host"), (scheduling, "copy_to_device")):
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls.append((len(engine.history), _name))
+            return _real(*args)
+        monkeypatch.setattr(module, name, counted)
+    params = SamplingParams(max_new_tokens=16)
+    engine = Engine(tiny, num_blocks=9, block_size=BS, stop_ids=STOP, audit=True,
+                    preemption="swap", host_blocks=64)
+    engine.generate(_prompts(), params)
+    assert any(n == "copy_to_host" for _, n in calls)
+    assert any(n == "copy_to_device" for _, n in calls)
+    assert len(calls) == len(set(calls)), "two copies in one direction in one step"
+
+
+def test_admission_now_later_never(tiny):
+    engine = Engine(tiny, num_blocks=10, block_size=BS, stop_ids=STOP)
+    prompt = list(range(1, 30))                       # 4 blocks, then 1 for the first token
+    with pytest.raises(ConfigError, match="refused: the request may need 12 blocks; the "
+                                          "pool has 10"):
+        engine.submit(prompt, SamplingParams(max_new_tokens=60))
+    with pytest.raises(ConfigError, match="runs 3 sequences; at most 2"):
+        Engine(tiny, num_blocks=64, block_size=BS, max_seqs=2).submit(
+            prompt, SamplingParams(max_new_tokens=4, beam_width=3))
+    assert not engine.waiting                          # refused requests are never queued
+    a = engine.submit(prompt, SamplingParams(max_new_tokens=40))     # 9 blocks at most
+    b = engine.submit(prompt[:20], SamplingParams(max_new_tokens=40))
+    assert engine.admission(a) == ("now", "")          # 4 blocks for its prompt
+    assert engine.admission(b, promised=8) == ("later", "needs 3 free blocks (watermark "
+                                                        "included), 2 are free")
+    engine.step()
+    assert engine.running == [a, b]                    # 4 + 3 blocks: both fit now
+    engine.run()
+    assert a.done and b.done and engine.counts.preemptions > 0   # but not as they grow
+    for req, p in ((a, prompt), (b, prompt[:20])):
+        expect = reference_generate(tiny, p, req.params, STOP)[0].generated
+        assert req.outputs()[0].generated == expect
+
+
+def test_bad_engine_options(tiny):
+    for kw, match in ((dict(preemption="drop"), "preemption"),
+                      (dict(preemption="swap"), "host_blocks"),
+                      (dict(watermark=1.0), "watermark"), (dict(watermark=True), "watermark")):
+        with pytest.raises(ConfigError, match=match):
+            Engine(tiny, num_blocks=8, **kw)
+
+
+# ---------------------------------------------------------------------- the real model
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from pagedkv.model import Tokenizer, load_gguf
+    ckpt = load_gguf()
+    return Tokenizer.from_checkpoint(ckpt), Llama(ckpt.config, ckpt.weights, xp=np,
+                                                  dtype=np.float32)
+
+
+QUESTIONS = ["Explain how a rainbow forms.", "Describe the water cycle.",
+             "Why do cats purr?", "What is photosynthesis?"]
+
+
+def test_real_model_same_answers_with_cache_and_preemption(smollm2):
+    """Four chat prompts (the chat template's system prompt in common), 20 greedy tokens each;
+    a pool of 6 blocks of 16 holds two of them at the start but not as they grow."""
+    tok, model = smollm2
+    prompts = [tok.chat(q) for q in QUESTIONS]
+    params = SamplingParams(max_new_tokens=20)
+    expect = [reference_generate(model, p, params, [tok.eos_id])[0].generated for p in prompts]
+    assert max(-(-(len(p) + 20) // 16) for p in prompts) <= 6
+    for name, kw in {"plain": dict(num_blocks=64),
+                     "cache": dict(num_blocks=64, prefix_caching=True),
+                     "cache+swap": dict(num_blocks=6, prefix_caching=True,
+                                        preemption="swap", host_blocks=32),
+                     "recompute": dict(num_blocks=6)}.items():
+        engine = Engine(model, block_size=16, stop_ids=[tok.eos_id], audit=True, **kw)
+        reqs = engine.generate(prompts, params)
+        assert [r.outputs()[0].generated for r in reqs] == expect, name
+        c = engine.counts
+        assert (c.cached_tokens >= 3 * 16) == name.startswith("cache"), name
+        assert (c.preemptions > 0) == (kw["num_blocks"] == 6), name

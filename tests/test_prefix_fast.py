@@ -1,0 +1,168 @@
+"""Path equivalence for prefix caching: the teaching :mod:`pagedkv.prefix_cache` and the fast
+:mod:`pagedkv.fast.prefix`, given the same calls, return the same plans (slots, copies, cached
+tokens), block ids and token ids, raise the same error types, and after every call hold the
+same free stack, refcounts, idle blocks (in eviction order), cached blocks, hits and
+evictions; both audits pass after every call.
+
+The call streams are random with fixed seeds (printed in the test ids); prompts are drawn from
+a few shared beginnings, and the pools are small, so that hits on idle and on running blocks,
+evictions, forks, copy-on-write and running out of blocks all happen; the tests count them.
+"""
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from pagedkv import allocator, fast
+from pagedkv.errors import PagedKVError
+from pagedkv.fast.prefix import PrefixCachingManager as FastPrefix
+from pagedkv.manager import Plan, StepPlan
+from pagedkv.prefix_cache import PrefillPlan, PrefixCachingManager
+from pagedkv.swap import HostPool, Swapper
+
+MET = Counter()
+BEGINNINGS = [(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5,) * 11]
+
+
+def pair(num_blocks, block_size, caching=True):
+    t = PrefixCachingManager(allocator.BlockAllocator(num_blocks, block_size * 4, xp=np),
+                             block_size, caching=caching)
+    f = FastPrefix(fast.BlockAllocator(num_blocks, block_size * 4, xp=np), block_size,
+                   caching=caching, max_seqs=2, max_seq_len=4)
+    return t, f
+
+
+def outcome(call):
+    try:
+        return "ok", call()
+    except PagedKVError as exc:
+        return "error", type(exc)
+
+
+def same_result(a, b, where):
+    assert type(a) is type(b), f"{where}: {type(a)} {type(b)}"
+    if isinstance(a, (Plan, StepPlan, PrefillPlan)):
+        for name, x, y in zip(a._fields, a, b):
+            if isinstance(x, np.ndarray):
+                assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), \
+                    f"{where}: {name}\n{x}\n{y}"
+            else:
+                assert x == y, f"{where}: {name}: {x} != {y}"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), where
+    else:
+        assert a == b, f"{where}: {a} != {b}"
+
+
+def same_state(t, f, where):
+    ct, cf = t.cache, f.cache
+    assert ct.allocator.free_blocks() == cf.allocator.free_blocks(), where
+    assert ct.refcounts().tolist() == cf.refcounts().tolist(), where
+    assert list(ct._idle) == list(cf._idle), where
+    assert sorted(ct._block_of.items()) == sorted(cf._block_of.items()), where
+    assert (ct.hits, ct.evictions, ct.num_free) == (cf.hits, cf.evictions, cf.num_free), where
+    assert sorted(map(str, t.seq_ids)) == sorted(map(str, f.seq_ids)), where
+    for s in t.seq_ids:
+        assert t.block_table(s).tolist() == f.block_table(s).tolist(), f"{where}: {s}"
+        assert t.tokens(s) == f.tokens(s), f"{where}: {s}"
+    assert t.stats() == f.stats(), where
+    t.audit()
+    f.audit()
+
+
+def prompt(rng, bs):
+    head = list(rng.choice(BEGINNINGS))
+    return head + [rng.randrange(4) for _ in range(rng.randrange(0 if head else 1, 3 * bs))]
+
+
+def run_stream(seed, steps=400):
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4])
+    t, f = pair(rng.choice([6, 10, 16]), bs, caching=rng.random() < 0.85)
+    live, names = [], iter(range(10**6))
+    calls = []
+
+    def both(name, *args):
+        calls.append(f"{name}{args!r}")
+        where = f"seed {seed}, call {len(calls)}: {calls[-1]}"
+        a = outcome(lambda: getattr(t, name)(*args))
+        b = outcome(lambda: getattr(f, name)(*args))
+        assert a[0] == b[0], f"{where}: teaching {a}, fast {b}"
+        if a[0] == "error":
+            assert a[1] is b[1], f"{where}: teaching {a[1]}, fast {b[1]}"
+            MET[f"error {a[1].__name__}"] += 1
+        else:
+            same_result(a[1], b[1], where)
+        same_state(t, f, where)
+        return a
+
+    for _ in range(steps):
+        r = rng.random()
+        if r < 0.3 or not live:
+            s = next(names)
+            p = prompt(rng, bs)
+            as_array = rng.random() < 0.3
+            res = both("add", s, np.array(p, dtype=np.int64) if as_array else p)
+            if res[0] == "ok":
+                live.append(s)
+                MET["hit"] += res[1].cached_tokens > 0
+        elif r < 0.5:
+            batch = rng.sample(live, rng.randint(1, len(live)))
+            both("step", batch, [rng.randrange(4) for _ in batch])
+            MET["step"] += 1
+        elif r < 0.6:
+            both("append", rng.choice(live), [rng.randrange(4) for _ in range(rng.randint(1, 5))])
+        elif r < 0.7:
+            children = [next(names) for _ in range(rng.randint(1, 2))]
+            if both("fork", rng.choice(live), *children)[0] == "ok":
+                live += children
+                MET["fork"] += 1
+        elif r < 0.9:
+            s = live.pop(rng.randrange(len(live)))
+            both("free", s)
+        else:
+            p = prompt(rng, bs)
+            both("cached_prefix", p)
+            both("blocks_to_add", p)
+    for bad in ([1, -2], [1.5], ["a"], [1, None]):
+        both("add", "bad", bad)
+    MET["evictions"] += t.cache.evictions
+    MET["copies"] += t.stats().shared_blocks
+
+
+@pytest.mark.parametrize("seed", range(40), ids=lambda s: f"seed{s}")
+def test_prefix_managers_agree_on_random_calls(seed):
+    run_stream(seed)
+
+
+def test_every_situation_was_met():
+    """The streams above met every situation they are there for."""
+    for key in ("hit", "step", "fork", "evictions", "error OutOfBlocks", "error ConfigError"):
+        assert MET[key] > 0, (key, dict(MET))
+
+
+def test_the_cached_hit_of_the_benchmark_is_the_same():
+    tokens = np.random.default_rng(0).integers(0, 49152, 2048).tolist()
+    t, f = pair(4096, 16)
+    for m in (t, f):
+        m.add("warm", tokens)
+        m.free("warm")
+    a, b = t.add("again", tokens), f.add("again", np.array(tokens))
+    same_result(a, b, "benchmark trace")
+    assert a.cached_tokens == 2032
+    same_state(t, f, "benchmark trace")
+
+
+def test_swapping_through_both_managers_is_the_same():
+    t, f = pair(8, 2)
+    swappers = [Swapper(m, HostPool(8, 8, pinned=False)) for m in (t, f)]
+    for m in (t, f):
+        m.add("a", [1, 2, 3, 4, 5])
+        m.add("b", [1, 2, 3, 9])
+    out = [s.swap_out(["a"]) for s in swappers]
+    assert out[0].tolist() == out[1].tolist()
+    same_state(t, f, "after swap out")
+    back = [s.swap_in(["a"]) for s in swappers]
+    assert back[0].tolist() == back[1].tolist()
+    same_state(t, f, "after swap in")
