@@ -2,8 +2,9 @@
 window keeps, and a radix tree with pages.
 
 The first part holds what the chapter itself runs and shows, written for the chapter and kept
-out of the package: a manager that frees tail first (vLLM's order), the eviction experiment, a
-radix tree small enough to read, the chat trace and its replay. The exercises reuse them.
+out of the package: a manager that frees head first (the order pagedkv and vLLM avoid), the
+eviction experiment, a radix tree small enough to read, the chat trace and its replay. The
+exercises reuse them.
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ __all__ = ["orphans", "window_blocks", "PagedRadixTree"]
 
 
 # ------------------------------------------------------------- what the chapter runs and shows
-class TailFirst(PrefixCachingManager):
-    """Frees a finished sequence's blocks last block first, as vLLM's managers do."""
+class HeadFirst(PrefixCachingManager):
+    """Frees a finished sequence's blocks first block first: the natural order, which pagedkv
+    and vLLM both avoid (kept here to measure what it costs)."""
 
     def free(self, seq_id):
         self._table(seq_id).blocks.reverse()   # dropped next: only the order changes
-        super().free(seq_id)
+        super().free(seq_id)                   # (which frees the last block first)
 
 
 def cache_then_take(manager_class, taken: int, bs: int = 4, full_blocks: int = 8):
@@ -182,19 +184,20 @@ def _reachable_by_lookup(manager, sequences) -> set:
 
 def check_orphans(impl=orphans, seed=14, runs=60, ops=60):
     """The chapter's experiment by hand (head first: every block after the evicted ones is
-    lost; tail first: none), then random runs of requests with shared prefixes in a small pool,
-    against a brute-force oracle: every sequence ever cached looked up again."""
+    lost; tail first, pagedkv's order: none), then random runs of requests with shared
+    prefixes in a small pool, freed head first so that orphans arise, against a brute-force
+    oracle: every sequence ever cached looked up again."""
     print(f"seed={seed}")
     for k in range(9):
-        head, _ = cache_then_take(PrefixCachingManager, k)
-        tail, _ = cache_then_take(TailFirst, k)
+        head, _ = cache_then_take(HeadFirst, k)
+        tail, _ = cache_then_take(PrefixCachingManager, k)
         assert len(impl(head.cache)) == (8 - k if 0 < k < 8 else 0), ("head first", k)
         assert impl(tail.cache) == [], ("tail first", k)
     rng = random.Random(seed)
     lost = 0
     for _ in range(runs):
         bs = rng.choice([1, 2, 4])
-        m = PrefixCachingManager(BlockAllocator(rng.randrange(6, 16), bs * 4), bs)
+        m = HeadFirst(BlockAllocator(rng.randrange(6, 16), bs * 4), bs)   # orphans arise
         stems = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
         seen, live = [], []
         for op in range(ops):
