@@ -5,7 +5,9 @@
 # .whl). The model file comes from PAGEDKV_GGUF, or is joined from the parts in MODEL_PARTS
 # (the file is larger than one transfer to that machine). Logs go to $OUT (default
 # artifacts/gpu_check). STEPS picks what runs: any of "tests nbval model" (default: all).
-# Usage: bash scripts/gpu_check.sh
+# WORKERS=N runs the tests and notebooks in N processes (pytest-xdist, which that machine
+# has), one test file or notebook each; the test that watches the device's free memory then
+# runs alone afterwards. Usage: bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 wheels=${WHEELS:-.whl}
@@ -23,16 +25,24 @@ if [ -z "${PAGEDKV_GGUF:-}" ] && [ -n "${MODEL_PARTS:-}" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import pagedkv.backend as b; print(b.describe())"
+parallel=()
+alone=tests/test_allocator.py::test_close_returns_the_memory
+if [ -n "${WORKERS:-}" ]; then parallel=(-n "$WORKERS" --dist loadfile); fi
 status=0
 case " $steps " in *" tests "*)
-  timeout 400 python3 -m pytest -q -rs -p no:cacheprovider tests \
-    --ignore=tests/test_book_browser.py --ignore=tests/test_jupyterlab.py --durations=8 2>&1 \
-    | tee "$out/pytest.log" | tail -25 || status=1 ;;
+  timeout 400 python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@]}" tests \
+    --ignore=tests/test_book_browser.py --ignore=tests/test_jupyterlab.py \
+    ${WORKERS:+--deselect $alone} --durations=8 2>&1 | tee "$out/pytest.log" | tail -25 \
+    || status=1
+  if [ -n "${WORKERS:-}" ]; then
+    timeout 60 python3 -m pytest -q -p no:cacheprovider "$alone" 2>&1 \
+      | tee -a "$out/pytest.log" | tail -3 || status=1
+  fi ;;
 esac
 case " $steps " in *" nbval "*)
-  timeout 400 python3 -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-    --nbval-sanitize-with tests/nbval_sanitize.cfg book/ --durations=14 2>&1 \
-    | tee "$out/nbval.log" | tail -25 || status=1 ;;
+  timeout 400 python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" --nbval-lax \
+    --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg book/ --durations=14 \
+    2>&1 | tee "$out/nbval.log" | tail -25 || status=1 ;;
 esac
 case " $steps " in *" model "*)
   timeout 200 python3 -m pagedkv.bench.model --json "$out/model-h200.json" 2>&1 \
