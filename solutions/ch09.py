@@ -2,7 +2,6 @@
 of two partial softmaxes."""
 from __future__ import annotations
 
-import random
 
 import numpy as np
 

@@ -6,7 +6,6 @@ import sys
 import numpy as np
 import pytest
 
-from pagedkv import backend
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import (AllocatorClosed, AuditError, ConfigError, DoubleFree, InvalidBlock,
                             OutOfBlocks, PagedKVError, PoolTooLarge)

@@ -20,9 +20,8 @@ same order.
 """
 from __future__ import annotations
 
-import itertools
 from array import array
-from collections import Counter, OrderedDict
+from collections import Counter
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -32,6 +31,7 @@ import xxhash
 from ..checks import cdiv
 from ..errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
 from ..manager import Plan
+from .. import prefix_cache
 from ..prefix_cache import PrefillPlan
 from .allocator import BlockAllocator
 from .manager import KVCacheManager
@@ -70,37 +70,12 @@ def _token_array(tokens) -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
-class CachedBlocks:
+class CachedBlocks(prefix_cache.CachedBlocks):
     """The fast allocator's calls (one block, and the manager's batched ones), keeping
     full blocks cached after their last owner leaves, as
-    :class:`pagedkv.prefix_cache.CachedBlocks` does. Idle blocks keep their one owner in
-    the allocator."""
-
-    def __init__(self, allocator: BlockAllocator):
-        self.allocator = allocator
-        self.num_blocks, self.block_bytes = allocator.num_blocks, allocator.block_bytes
-        self._block_of: dict[int, int] = {}
-        self._entry: dict[int, Entry] = {}
-        self._idle: OrderedDict[int, None] = OrderedDict()
-        self._serials = itertools.count(1)
-        self.hits = self.evictions = 0
-
-    # -------------------------------------------------------------- counts
-    @property
-    def num_free(self) -> int:
-        return self.allocator.num_free + len(self._idle)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
-    def refcount(self, block: int) -> int:
-        return self.allocator.refcount(block) - (block in self._idle)
-
-    def refcounts(self) -> np.ndarray:
-        counts = self.allocator.refcounts()
-        counts[list(self._idle)] -= 1
-        return counts
+    :class:`pagedkv.prefix_cache.CachedBlocks` does (whose state, counts and lookups of
+    idle blocks and serials this keeps). Idle blocks keep their one owner in the
+    allocator."""
 
     def _counts(self, ids: np.ndarray) -> np.ndarray:
         counts = self.allocator._counts(ids)
@@ -176,17 +151,7 @@ class CachedBlocks:
         for b in ids.tolist():
             self._drop_owners(np.array([b]))
 
-    def share_n(self, blocks, times: int = 1) -> None:
-        self.allocator.share_n(blocks, times)
-
     # -------------------------------------------------------------- the cache
-    def serial(self, hash_: int):
-        block = self._block_of.get(hash_)
-        return None if block is None else self._entry[block].serial
-
-    def is_idle(self, block: int) -> bool:
-        return block in self._idle
-
     def insert(self, block: int, hash_: int, tokens: bytes, parent: int,
                parent_hash: int) -> None:
         if hash_ not in self._block_of and block not in self._entry:

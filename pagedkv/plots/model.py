@@ -7,7 +7,7 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from .memory import EDGE_COLOR, FREE_COLOR, PALETTE, SHARED_COLOR
+from .memory import EDGE_COLOR, PALETTE, SHARED_COLOR
 
 __all__ = ["draw_block_across_layers", "draw_pool_filling", "draw_beam_tree",
            "draw_step_breakdown"]
