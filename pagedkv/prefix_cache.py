@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from .checks import cdiv
 from .errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
 from .manager import KVCacheManager, Plan, StepPlan
 from .page_table import PageTable
@@ -222,7 +223,7 @@ class PrefixCachingManager(KVCacheManager):
         """Free blocks admitting ``tokens`` takes: fresh blocks for what the cache
         lacks, and one for each hit on an idle block (idle blocks count as free until
         taken)."""
-        fresh = -(-len(tokens) // self.block_size) - len(hits)
+        fresh = cdiv(len(tokens), self.block_size) - len(hits)
         return fresh + sum(map(self.cache.is_idle, hits))
 
     def cached_prefix(self, tokens) -> int:

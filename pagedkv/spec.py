@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import positive_int
 from .errors import ConfigError
 
 __all__ = ["KVSpec"]
@@ -24,9 +25,7 @@ class KVSpec:
 
     def __post_init__(self):
         for field in ("layers", "kv_heads", "head_dim"):
-            v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-                raise ConfigError(f"{field} must be a positive integer, got {v!r}")
+            positive_int(getattr(self, field), field)
         try:
             np.dtype(self.dtype)
         except TypeError:

@@ -35,6 +35,7 @@ from collections import defaultdict
 import numpy as np
 
 from .. import backend
+from ..checks import cdiv
 from ..model import generate as gen_mod
 from ..model import llama as llama_mod
 from ..model.blas import single_thread_blas
@@ -55,7 +56,7 @@ def _now() -> float:
 # ---------------------------------------------------------------------- our engine
 
 def _engine(model, prompt, batch: int, steps: int, block_size: int = 16) -> Engine:
-    blocks = batch * -(-(len(prompt) + steps + 2) // block_size)
+    blocks = batch * cdiv(len(prompt) + steps + 2, block_size)
     engine = Engine(model, num_blocks=blocks, block_size=block_size, max_seqs=max(64, batch))
     for _ in range(batch):                      # no stop token: every sequence decodes `steps`
         engine.submit(prompt, SamplingParams(max_new_tokens=steps + 1))
@@ -175,7 +176,7 @@ def hf_greedy(hf, device, prompt, n: int, eos: int) -> list:
 
 
 def ours_greedy(model, prompt, n: int, eos: int) -> list:
-    engine = Engine(model, num_blocks=-(-(len(prompt) + n) // 16), block_size=16,
+    engine = Engine(model, num_blocks=cdiv(len(prompt) + n, 16), block_size=16,
                     stop_ids=[eos])
     (req,) = engine.generate([prompt], SamplingParams(max_new_tokens=n))
     return req.outputs()[0].generated

@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from .. import backend
+from ..checks import cdiv
 from ..errors import ConfigError
 from ._common import (DTYPE_CODES, allow_dynamic_smem, check_decode, fn_attr, is_cupy, kernel,
                       load_source, sm_count, to_dtype)
@@ -102,7 +103,7 @@ def tensor_core_name(dt: int, head_dim: int, group: int, block_size: int, config
 def _ctas_per_sm(fn, threads: int, smem: int) -> int:
     """CTAs that fit on one SM at once: limited by registers, threads, and shared memory."""
     regs = fn_attr(fn, "num_regs", 128)
-    per_warp = -(-regs * 32 // 256) * 256                # registers are handed out per warp
+    per_warp = cdiv(regs * 32, 256) * 256                # registers are handed out per warp
     return max(1, min(65536 // (per_warp * threads // 32), 2048 // threads, 32,
                       (228 * 1024) // (smem + 1024)))
 
@@ -127,8 +128,8 @@ def choose_num_splits(work: int, max_len: int, sms: int, ctas_per_sm: int, tile:
     else:
         s = max(1, (2 * sms) // work)
     s = max(1, min(s, max_len // (2 * tile)))          # at least two tiles per split
-    per_split = -(-(-(-max_len // s)) // tile) * tile    # a whole number of tiles each ...
-    return -(-max_len // per_split)                      # ... which may leave fewer splits
+    per_split = cdiv(cdiv(max_len, s), tile) * tile    # a whole number of tiles each ...
+    return cdiv(max_len, per_split)                      # ... which may leave fewer splits
 
 
 # --------------------------------------------------------------------------- plans
@@ -230,9 +231,9 @@ def _plan(q_shape, cache_shape, kv_dtype, max_blocks, num_splits, tensor_cores, 
     if num_splits is None:
         occupancy = _ctas_per_sm(fn, threads, smem)
         num_splits = choose_num_splits(batch * kv_heads, max_len, sm_count(), occupancy, tile)
-    num_splits = max(1, min(num_splits, -(-max_len // tile)))
-    split_tokens = -(-(-(-max_len // num_splits)) // tile) * tile  # a whole number of tiles
-    num_splits = -(-max_len // split_tokens)             # rounding up may leave one fewer
+    num_splits = max(1, min(num_splits, cdiv(max_len, tile)))
+    split_tokens = cdiv(cdiv(max_len, num_splits), tile) * tile  # a whole number of tiles
+    num_splits = cdiv(max_len, split_tokens)             # rounding up may leave one fewer
     merge = kernel(load_source(source), f"merge_splits<{code}>") if num_splits > 1 else None
     return DecodePlan("tensor-cores" if tensor_cores else "cuda-cores", name, threads,
                       num_splits, split_tokens, smem if tensor_cores else 0,

@@ -15,6 +15,7 @@ import functools
 import numpy as np
 
 from .. import backend
+from ..checks import cdiv
 from ..errors import ConfigError
 from ._common import check_cache, check_int32, is_cupy, kernel
 
@@ -247,7 +248,7 @@ def _copy_blocks_launch(layers, pairs):
     ptrs = _pointer_table(tuple(a.data.ptr for a in layers))
     threads, unroll = 256, 2
     block_vecs = block_bytes // width
-    chunks = -(-block_vecs // (threads * unroll))
+    chunks = cdiv(block_vecs, threads * unroll)
     fn = kernel(CACHE_OPS_SOURCE, f"copy_blocks<{ctype}, {unroll}>")
     fn((pairs.shape[0] * chunks, len(layers)), (threads,),
        (ptrs, pairs, np.int32(block_vecs), np.int32(chunks)))

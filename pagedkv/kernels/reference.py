@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from .. import backend
+from ..checks import cdiv
 from ._common import as_float, check_decode, check_lengths
 
 __all__ = ["gather_kv", "dense_attention", "paged_decode_attention_ref", "decode_numpy"]
@@ -27,7 +28,7 @@ __all__ = ["gather_kv", "dense_attention", "paged_decode_attention_ref", "decode
 def gather_kv(cache, block_table, seq_len):
     """One sequence's K and V copied out of its blocks: ``[seq_len, kv_heads, D]`` each."""
     block_size = cache.shape[2]
-    n = -(-int(seq_len) // block_size)                  # blocks in use (ceiling division)
+    n = cdiv(int(seq_len), block_size)                  # blocks in use (ceiling division)
     blocks = np.asarray(block_table[:n])
     k = cache[blocks, 0].reshape(-1, *cache.shape[3:])[:seq_len]
     v = cache[blocks, 1].reshape(-1, *cache.shape[3:])[:seq_len]
@@ -92,7 +93,7 @@ def decode_numpy(q, cache, block_tables, seq_lens, scale, num_splits, kv_dtype):
     max_blocks = block_tables.shape[1]
     qf = as_float(q, kv_dtype).astype(np.float32).reshape(batch, kv_heads, group, d)
     qf = qf * scale
-    pages_per_split = -(-max_blocks // num_splits)
+    pages_per_split = cdiv(max_blocks, num_splits)
     m = np.full((num_splits, batch, kv_heads, group), -np.inf, np.float32)
     l = np.zeros_like(m)
     acc = np.zeros((num_splits, batch, kv_heads, group, d), np.float32)

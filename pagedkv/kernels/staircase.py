@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .. import backend
+from ..checks import cdiv
 from ..errors import ConfigError
 from . import attention
 from ._common import (BLOCK_SIZES, DTYPE_CODES, HEAD_DIMS, MAX_GROUP, as_float, check_decode,
@@ -232,7 +233,7 @@ MIRRORS = {1: step1_mirror, 2: step2_mirror, 3: step3_mirror, 4: step4_mirror,
 
 def _split_tokens(max_len: int, num_splits: int, tile: int) -> int:
     """Tokens per split: a whole number of ``tile``s, enough for ``num_splits`` pieces."""
-    return max(tile, -(-(-(-max_len // max(1, num_splits))) // tile) * tile)
+    return max(tile, cdiv(cdiv(max_len, max(1, num_splits)), tile) * tile)
 
 
 def _launch(step, q, cache, block_tables, seq_lens, out, scale, kv_dtype, num_splits):
@@ -247,11 +248,11 @@ def _launch(step, q, cache, block_tables, seq_lens, out, scale, kv_dtype, num_sp
     ints = (np.int32(kv_heads), np.int32(block_tables.shape[1]))
     if step == 1:
         n = batch * q_heads
-        fn((-(-n // 128),), (128,), (q, cache, block_tables, seq_lens, out, np.int32(batch),
+        fn((cdiv(n, 128),), (128,), (q, cache, block_tables, seq_lens, out, np.int32(batch),
                                      np.int32(q_heads), *ints, np.float32(scale)))
     elif step in (2, 3):
         n = batch * q_heads
-        fn((-(-n // 4),), (128,), (q, cache, block_tables, seq_lens, out, np.int32(batch),
+        fn((cdiv(n, 4),), (128,), (q, cache, block_tables, seq_lens, out, np.int32(batch),
                                    np.int32(q_heads), *ints, np.float32(scale)))
     elif step == 4:
         fn((kv_heads, batch), (NWARPS * 32,), (q, cache, block_tables, seq_lens, out, *ints,
@@ -263,7 +264,7 @@ def _launch(step, q, cache, block_tables, seq_lens, out, scale, kv_dtype, num_sp
             num_splits = attention.choose_num_splits(batch * kv_heads, max_len, sm_count(), 4,
                                                      NWARPS * trip)
         split_tokens = _split_tokens(max_len, num_splits, NWARPS * trip)
-        num_splits = -(-max_len // split_tokens)
+        num_splits = cdiv(max_len, split_tokens)
         part_o = cp.empty(batch * q_heads * num_splits * d, cp.float32)
         part_lse = cp.empty(batch * q_heads * num_splits, cp.float32)
         fn((num_splits, kv_heads, batch), (NWARPS * 32,),

@@ -30,7 +30,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-from ..checks import positive_int
+from ..checks import cdiv, is_int, positive_int
 
 __all__ = ["PALETTE", "FREE_COLOR", "FREE", "SHARED", "owner_colors", "draw_pool", "draw_allocator",
            "manager_owners", "draw_manager", "draw_page_tables", "Region", "contiguous_layout",
@@ -53,10 +53,6 @@ def _is_free(owner) -> bool:
     return owner is FREE
 
 
-def _is_int(o) -> bool:
-    return isinstance(o, (int, np.integer)) and not isinstance(o, bool)
-
-
 def owner_colors(owners) -> dict:
     """A colour for each distinct owner (``None`` is free).
 
@@ -70,13 +66,13 @@ def owner_colors(owners) -> dict:
             continue
         if o == SHARED:
             colors[o] = SHARED_COLOR
-        elif _is_int(o):
+        elif is_int(o):
             colors[o] = PALETTE[int(o) % len(PALETTE)]
         else:
             colors[o] = PALETTE[k % len(PALETTE)]
             k += 1
-    ints = sorted(o for o in colors if _is_int(o))          # legend order: 0, 1, 2, ..., others
-    return {o: colors[o] for o in ints + [o for o in colors if not _is_int(o)]}
+    ints = sorted(o for o in colors if is_int(o))          # legend order: 0, 1, 2, ..., others
+    return {o: colors[o] for o in ints + [o for o in colors if not is_int(o)]}
 
 
 def _new_axes(ax, size):
@@ -133,7 +129,7 @@ def draw_pool(owners, *, fills=None, block_size=None, notes=None, ncols=16, titl
             raise ValueError(f"every fill must lie in [0, {block_size}]")
     notes = dict(notes or {})
     ncols = min(ncols, n)
-    nrows = -(-n // ncols)
+    nrows = cdiv(n, ncols)
     colors = owner_colors(owners)
     partly = fills is not None and any(not _is_free(o) for o in owners)
     legend_rows = len(colors) + 1 + 2 * partly
@@ -357,14 +353,13 @@ def draw_layouts(rows, capacity: int, *, ax=None) -> Figure:
 
     In a region, the slots holding data are solid in the owner's colour and the reserved but
     empty ones are hatched; free slots are pale grey; white lines separate regions (a paged
-    layout has one region per block). Patches: one background strip per row, one solid bar per region, and one hatched bar per
-    region with empty slots.
+    layout has one region per block). Patches: one background strip per row, one solid bar
+    per region, and one hatched bar per region with empty slots.
     """
     rows = list(rows)
     if not rows:
         raise ValueError("there are no layouts to draw")
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+    positive_int(capacity, "capacity")
     checked = [(label, _check_regions(regs, capacity)) for label, regs in rows]
     colors = owner_colors([r.owner for _, regs in checked for r in regs])
     fig, ax = _new_axes(ax, (11, 0.9 * len(rows) + 0.9))

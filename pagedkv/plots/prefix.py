@@ -9,6 +9,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
+from ..checks import cdiv
 from ..prefix_cache import block_hash
 from .memory import EDGE_COLOR, FREE_COLOR, PALETTE, SHARED_COLOR, _new_axes
 
@@ -24,14 +25,14 @@ def draw_hash_chain(prompts, block_size: int, token_text=str, names=None) -> Fig
     digits of its chained hash (seeded by the block before it, the arrow); a block whose
     hash an earlier row already has is grey (one block in the cache); a partly filled
     last block has no name yet (dashed)."""
-    widest = max(-(-len(p) // block_size) for p in prompts)
+    widest = max(cdiv(len(p), block_size) for p in prompts)
     fig = Figure(figsize=(min(2.0 * widest + 1.2, 11), 1.25 * len(prompts) + 0.5),
                  layout="constrained")
     ax = fig.add_subplot()
     seen = set()
     for r, tokens in enumerate(prompts):
         y, parent = len(prompts) - 1 - r, 0
-        for j in range(-(-len(tokens) // block_size)):
+        for j in range(cdiv(len(tokens), block_size)):
             part = tokens[j * block_size:(j + 1) * block_size]
             text = " ".join(token_text(t) for t in part)
             full = len(part) == block_size
@@ -92,7 +93,7 @@ def draw_cache(snapshots, titles, *, ncols: int = 16, seq_colors=None) -> Figure
     grey, cached idle ones yellow with their place in the eviction order, free ones
     pale."""
     n = len(snapshots[0])
-    rows = -(-n // ncols)
+    rows = cdiv(n, ncols)
     fig = Figure(figsize=(0.55 * ncols + 2.4, (0.55 * rows + 0.45) * len(snapshots)),
                  layout="constrained")
     axes = fig.subplots(len(snapshots), 1, squeeze=False)[:, 0]
