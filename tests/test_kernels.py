@@ -84,7 +84,13 @@ def test_choose_num_splits_fills_the_gpu_and_cuts_whole_tiles():
     from pagedkv.kernels import choose_num_splits
     sms, occ, tile = 132, 3, 32
     assert choose_num_splits(2 * sms * occ, 8192, sms, occ, tile) == 1      # two full waves
-    assert choose_num_splits(sms * occ, 8192, sms, occ, tile) == 2          # one to two waves
+    assert choose_num_splits(sms * occ, 8192, sms, occ, tile) == 1          # one full wave
+    assert choose_num_splits(sms * occ + 1, 8192, sms, occ, tile) == 2      # a thin 2nd wave
+    assert choose_num_splits(sms * occ + 2 * sms, 8192, sms, occ, tile) == 1  # a full 2nd wave
+    # the tensor-core kernel: one CTA per SM keeps memory busy (the v6 sweep in perf/LOG.md)
+    assert choose_num_splits(512, 2048, sms, 2, 64, saturate=1) == 1       # 64 x 2048, 8 kv
+    assert choose_num_splits(128, 8192, sms, 2, 64, saturate=1) == 1       # 16 x 8192
+    assert choose_num_splits(8, 32768, sms, 2, 64, saturate=1) == 16       # 1 x 32768
     for work, max_len in [(1, 100000), (8, 32768), (128, 4096), (5, 65), (3, 64)]:
         s = choose_num_splits(work, max_len, sms, occ, tile)
         per_split = -(-(-(-max_len // s)) // tile) * tile
@@ -323,6 +329,32 @@ def test_gpu_decode_mixed_lengths_1_to_8192():
     for path in PATHS:
         got = host(paged_decode_attention(*dev, tensor_cores=PATHS[path]))
         assert np.isfinite(got).all() and rel_err(got, ref) < TOL["bfloat16"], path
+
+
+@gpu
+def test_gpu_checks_hold_after_a_good_call_with_the_same_shapes():
+    # The public call remembers the shapes it has checked; a bad call must still be refused.
+    cp = backend.xp
+    rng = rng_for(3050)
+    host_case, (q, cache, tables, lens) = _gpu_case(rng, [5, 9], 8, 2, 64, 16, "float16")
+    ref = paged_decode_attention_ref(*host_case)
+    out = cp.empty_like(q)
+    for _ in range(2):                                   # checked, then looked up
+        paged_decode_attention(q, cache, tables, lens, out=out)
+    strided = cp.zeros(cache.shape[:4] + (2 * cache.shape[4],), cache.dtype)[..., ::2]
+    assert strided.shape == cache.shape and not strided.flags.c_contiguous
+    for bad in [dict(cache=strided), dict(out=out.astype(cp.float32)),
+                dict(tables=tables.astype(cp.int64)), dict(num_splits=0),
+                dict(lens=lens[:1]), dict(q=q.astype(cp.float32))]:
+        args = dict(q=q, cache=cache, tables=tables, lens=lens, out=out, num_splits=None)
+        args.update(bad)
+        with pytest.raises(ConfigError):
+            paged_decode_attention(args["q"], args["cache"], args["tables"], args["lens"],
+                                   out=args["out"], num_splits=args["num_splits"])
+            pytest.fail(f"{list(bad)} raised nothing")
+    out.fill(np.nan)
+    got = host(paged_decode_attention(q, cache, tables, lens, out=out))
+    assert rel_err(got, ref) < TOL["float16"]
 
 
 @gpu

@@ -108,25 +108,29 @@ def _ctas_per_sm(fn, threads: int, smem: int) -> int:
                       (228 * 1024) // (smem + 1024)))
 
 
-def choose_num_splits(work: int, max_len: int, sms: int, ctas_per_sm: int, tile: int) -> int:
+def choose_num_splits(work: int, max_len: int, sms: int, ctas_per_sm: int, tile: int,
+                      saturate: int = 2) -> int:
     """How many pieces to cut each sequence into, so that the whole GPU is busy.
 
     ``work`` = batch × kv_heads CTAs would run without splitting; ``ctas_per_sm`` of them fit on
-    each of the ``sms`` multiprocessors at once. The rule was fitted to H200 measurements
-    (perf/LOG.md): two CTAs per SM already saturate memory bandwidth, extra waves cost little
-    once there are at least two of them, and every split adds a merge.
+    each of the ``sms`` multiprocessors at once; ``saturate`` of them per SM already keep the
+    memory busy: 2 for the CUDA-core kernel, 1 for the tensor-core kernel (each of its warps
+    keeps three 16-token tiles in flight). The rule was fitted to H200 measurements
+    (perf/LOG.md); every split adds a merge, so a split must buy more than that.
 
-    * two or more full waves of CTAs: no split;
-    * one to two waves: 2 splits (a second wave that is only partly full costs more than a merge);
-    * less than one wave: enough splits for about two CTAs per SM, all resident at once.
+    * fewer than ``saturate`` CTAs per SM: enough splits for about ``saturate`` per SM, all
+      resident at once;
+    * a second wave too thin to keep memory busy (fewer than ``saturate`` CTAs per SM after one
+      full wave, and no third wave): 2 splits;
+    * otherwise no split.
     """
     slots = sms * ctas_per_sm
-    if work >= 2 * slots:
-        s = 1
-    elif work >= slots:
+    if work < saturate * sms:
+        s = (saturate * sms) // max(work, 1)
+    elif slots < work < 2 * slots and work - slots < saturate * sms:
         s = 2
     else:
-        s = max(1, (2 * sms) // work)
+        s = 1
     s = max(1, min(s, max_len // (2 * tile)))          # at least two tiles per split
     per_split = cdiv(cdiv(max_len, s), tile) * tile    # a whole number of tiles each ...
     return cdiv(max_len, per_split)                      # ... which may leave fewer splits
@@ -230,7 +234,8 @@ def _plan(q_shape, cache_shape, kv_dtype, max_blocks, num_splits, tensor_cores, 
     max_len = max_blocks * bs                            # an upper bound known without a sync
     if num_splits is None:
         occupancy = _ctas_per_sm(fn, threads, smem)
-        num_splits = choose_num_splits(batch * kv_heads, max_len, sm_count(), occupancy, tile)
+        num_splits = choose_num_splits(batch * kv_heads, max_len, sm_count(), occupancy, tile,
+                                       saturate=1 if tensor_cores else 2)
     num_splits = max(1, min(num_splits, cdiv(max_len, tile)))
     split_tokens = cdiv(cdiv(max_len, num_splits), tile) * tile  # a whole number of tiles
     num_splits = cdiv(max_len, split_tokens)             # rounding up may leave one fewer
@@ -267,6 +272,9 @@ def _contiguous(a):
 
 # --------------------------------------------------------------------------- the public call
 
+_checked = {}   # (shapes, dtypes, options) already checked -> their DecodePlan
+
+
 def paged_decode_attention(q, cache, block_tables, seq_lens, *, scale=None, out=None,
                            num_splits=None, tensor_cores=None):
     """Attention of one new query token per sequence over its paged K/V.
@@ -281,10 +289,22 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, *, scale=None, out=
     and table entries; on CuPy arrays they are trusted (checking them would stall the GPU).
     Positions past a sequence's length are never used, whatever the pool holds there.
     """
-    kv_dtype = check_decode(q, cache, block_tables, seq_lens, out)
     if is_cupy(cache):
-        plan = _choose(q, cache, block_tables, kv_dtype, num_splits, tensor_cores)
+        # A decode loop calls this with the same shapes step after step: the checks and the
+        # plan are made once per shapes, dtypes and options, then looked up (about 10 µs of
+        # Python saved per call, as much as a short kernel takes).
+        key = (q.shape, q.dtype, cache.shape, cache.dtype, block_tables.shape,
+               block_tables.dtype, seq_lens.shape, seq_lens.dtype,
+               None if out is None else (out.shape, out.dtype), num_splits, tensor_cores)
+        plan = _checked.get(key)
+        if plan is None or not cache.flags.c_contiguous:
+            kv_dtype = check_decode(q, cache, block_tables, seq_lens, out)
+            plan = _choose(q, cache, block_tables, kv_dtype, num_splits, tensor_cores)
+            if len(_checked) >= 1024:
+                _checked.clear()
+            _checked[key] = plan
         return plan.run(q, cache, block_tables, seq_lens, out, scale)
+    kv_dtype = check_decode(q, cache, block_tables, seq_lens, out)
     if num_splits is not None and int(num_splits) < 1:
         raise ConfigError(f"num_splits must be ≥ 1, got {num_splits}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
