@@ -18,10 +18,9 @@ from ..errors import ConfigError
 from . import attention
 from ._common import (BLOCK_SIZES, DTYPE_CODES, HEAD_DIMS, MAX_GROUP, as_float, check_decode,
                       check_lengths, is_cupy, kernel, load_source, sm_count, to_dtype)
-from .reference import decode_numpy
 
 __all__ = ["STEPS", "run_step", "step_kernel", "all_names", "step1_mirror", "step2_mirror",
-           "step3_mirror", "step4_mirror", "step5_mirror", "step7_mirror"]
+           "step3_mirror", "step4_mirror", "step5_mirror", "step6_mirror", "step7_mirror"]
 
 #: What each step adds, in a few words (the chapter's table and plot use these).
 STEPS = {
@@ -194,6 +193,80 @@ def step5_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype, num_splits=3
     return step4_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype, num_splits)
 
 
+def _tile_shape(kv_dtype, head_dim, group):
+    """Step 6's launch shape: (token groups per CTA, tokens per group per tile, threads
+    per token group, 16-byte chunks per thread), as the package's kernel chooses it."""
+    nwarps, unroll, _, chunks = attention.cuda_core_config(group, kv_dtype, head_dim)
+    nv = attention._chunks(kv_dtype, head_dim, chunks)
+    vec = 4 if kv_dtype == "float32" else 8             # numbers in 16 bytes
+    tpt = head_dim // vec // nv                         # threads that share a row
+    return nwarps * (32 // tpt), unroll, tpt, nv
+
+
+def _merge2(m, l, acc):
+    """Merge running softmaxes in base 2 along axis 0: m, l [parts, heads], acc
+    [parts, heads, D]. Returns (m, l, acc) of all parts together."""
+    mx = m.max(axis=0)
+    w = np.exp2(m - mx)
+    return mx, (w * l).sum(axis=0), (w[..., None] * acc).sum(axis=0)
+
+
+def _tiles6(qg, k, v, t_begin, t_end, shape):
+    """One CTA of step 6 on tokens [t_begin, t_end): each token group keeps its own
+    running softmax per query head, in base 2; returns the groups' states merged."""
+    ngroups, unroll, tpt, nv = shape
+    tile, (heads, d) = ngroups * unroll, qg.shape
+    m = np.full((ngroups, heads), -1e30, np.float32)      # per token group, per head
+    l = np.zeros((ngroups, heads), np.float32)
+    acc = np.zeros((ngroups, heads, d), np.float32)
+    for tb in range(t_begin, t_end, tile):
+        t = tb + np.arange(tile).reshape(unroll, ngroups)  # group g: tb + u*ngroups + g
+        ok = t < t_end                                     # past the end: zeros, -inf
+        kt = np.where(ok[..., None], k[np.minimum(t, t_end - 1)], 0)
+        vt = np.where(ok[..., None], v[np.minimum(t, t_end - 1)], 0)
+        # thread lig holds chunks lig, lig + tpt, ...: a partial dot product each,
+        # then the butterfly sums the tpt partials of a row
+        kc = kt.reshape(unroll, ngroups, nv, tpt, d // (nv * tpt))
+        qc = qg.reshape(heads, nv, tpt, d // (nv * tpt))
+        partial = np.einsum("ugnlj,hnlj->ughl", kc, qc)
+        s = np.where(ok[..., None], partial.sum(axis=-1), -np.inf)  # [unroll, grp, h]
+        mx = np.maximum(m, s.max(axis=0))
+        corr, p = np.exp2(m - mx), np.exp2(s - mx)
+        l = l * corr + p.sum(axis=0)
+        acc = acc * corr[..., None] + np.einsum("ugh,ugd->ghd", p, vt)
+        m = mx
+    return _merge2(m, l, acc)
+
+
+def step6_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype, num_splits=1):
+    """Step 6 (the package's CUDA-core kernel): a CTA per (sequence, kv head, split);
+    token groups of ``tpt`` threads walk tiles of tokens, each with its own running
+    softmax in base 2 (``exp2``, q pre-scaled by log2 e); groups merged, then splits
+    weighed by ``2^lse``."""
+    batch, q_heads, d = q.shape
+    kv_heads, bs = cache.shape[3], cache.shape[2]
+    group = q_heads // kv_heads
+    shape = _tile_shape(kv_dtype, d, group)
+    tile, max_len = shape[0] * shape[1], block_tables.shape[1] * bs
+    splits = max(1, min(int(num_splits), cdiv(max_len, tile)))
+    split_tokens = cdiv(cdiv(max_len, splits), tile) * tile   # whole tiles, as the kernel
+    out = np.zeros((batch, q_heads, d), np.float32)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        for h in range(kv_heads):
+            k = _rows(cache, block_tables[b], n, 0, h, kv_dtype)
+            v = _rows(cache, block_tables[b], n, 1, h, kv_dtype)
+            heads = slice(h * group, (h + 1) * group)
+            qg = as_float(q[b, heads], kv_dtype).astype(np.float32)
+            qg = qg * np.float32(scale * math.log2(math.e))
+            parts = [_tiles6(qg, k, v, t, min(n, t + split_tokens), shape)
+                     for t in range(0, max_len, split_tokens)]
+            m, l, acc = _merge2(*(np.stack(x) for x in zip(*parts)))
+            out[b, heads] = np.divide(acc, l[:, None], out=np.zeros_like(acc),
+                                      where=l[:, None] > 0)
+    return out
+
+
 def step7_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype):
     """Step 7 (tensor cores): tiles of 16 tokens; S = Q K^T accumulated in float32,
     the weights P rounded to the storage dtype (as the tensor cores take them) before
@@ -226,7 +299,7 @@ def step7_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype):
 
 
 MIRRORS = {1: step1_mirror, 2: step2_mirror, 3: step3_mirror, 4: step4_mirror,
-           5: step5_mirror, 7: step7_mirror}
+           5: step5_mirror, 6: step6_mirror, 7: step7_mirror}
 
 
 # --------------------------------------------------------------------------- launches
@@ -296,7 +369,7 @@ def run_step(step: int, q, cache, block_tables, seq_lens, *, out=None, num_split
     tables, lens = np.asarray(block_tables), np.asarray(seq_lens)
     check_lengths(cache, tables, lens)
     if step == 6:
-        res = decode_numpy(q, cache, tables, lens, scale, int(num_splits or 1), kv_dtype)
+        res = step6_mirror(q, cache, tables, lens, scale, kv_dtype, int(num_splits or 1))
     elif step == 5:
         res = step5_mirror(q, cache, tables, lens, scale, kv_dtype, int(num_splits or 3))
     else:
