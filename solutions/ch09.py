@@ -52,8 +52,8 @@ def merge_partials(o1, lse1, o2, lse2):
 def online_mirror(q, cache, block_tables, seq_lens, trip=2):
     """Step 3's mirror: for each (sequence, query head) one pass over its tokens,
     ``trip`` at a time, keeping a running max ``m``, sum ``l`` and weighted sum ``acc``;
-    float32 ``[batch, q_heads, D]``. Only a sequence's own rows are read: the rest of its last
-    block may hold anything, NaN included."""
+    float32 ``[batch, q_heads, D]``. Only a sequence's own rows are read: the rest of
+    its last block may hold anything, NaN included."""
     batch, q_heads, d = q.shape
     bs, group = cache.shape[2], q_heads // cache.shape[3]
     out = np.zeros((batch, q_heads, d), np.float32)

@@ -249,7 +249,7 @@ def step6_mirror(q, cache, block_tables, seq_lens, scale, kv_dtype, num_splits=1
     shape = _tile_shape(kv_dtype, d, group)
     tile, max_len = shape[0] * shape[1], block_tables.shape[1] * bs
     splits = max(1, min(int(num_splits), cdiv(max_len, tile)))
-    split_tokens = cdiv(cdiv(max_len, splits), tile) * tile  # whole tiles, as the kernel
+    split_tokens = cdiv(cdiv(max_len, splits), tile) * tile   # whole tiles, as on a GPU
     out = np.zeros((batch, q_heads, d), np.float32)
     for b in range(batch):
         n = int(seq_lens[b])
