@@ -227,43 +227,59 @@ def test_rope_write_kv_kernel_equals_reference(dtype):
 
 
 @gpu
+@pytest.mark.parametrize("method", ["cublas", "auto"])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("transpose_b", [False, True])
-@pytest.mark.parametrize("m", [1, 64])
-def test_gemm_cublas_equals_float64(m, accumulate, transpose_b):
+@pytest.mark.parametrize("m,k", [(1, 576), (3, 1536), (8, 576), (64, 576)])
+def test_gemm_equals_float64(m, k, accumulate, transpose_b, method):
+    """cuBLAS, and the few-row kernel where "auto" takes it (transposed, M <= 8)."""
     cp, rng = backend.xp, np.random.default_rng(7)
-    a = rng.standard_normal((m, 576)).astype(np.float16)
-    b = rng.standard_normal((960, 576) if transpose_b else (576, 960)).astype(np.float16)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    b = rng.standard_normal((960, k) if transpose_b else (k, 960)).astype(np.float16)
     c0 = rng.standard_normal((m, 960)).astype(np.float16)
     out = cp.asarray(c0)
-    gemm(cp.asarray(a), cp.asarray(b), out, accumulate=accumulate, transpose_b=transpose_b)
+    gemm(cp.asarray(a), cp.asarray(b), out, accumulate=accumulate, transpose_b=transpose_b,
+         method=method)
     ref = a.astype(np.float64) @ (b.T if transpose_b else b).astype(np.float64)
     ref += c0 if accumulate else 0
     err = np.linalg.norm(out.get().astype(np.float64) - ref) / np.linalg.norm(ref)
     assert err < 1e-3
     logits = cp.full((m, 960), np.nan, np.float32)                 # 16-bit in, float32 out
-    gemm(cp.asarray(a), cp.asarray(b), logits, transpose_b=transpose_b)
+    gemm(cp.asarray(a), cp.asarray(b), logits, transpose_b=transpose_b, method=method)
     prod = a.astype(np.float64) @ (b.T if transpose_b else b).astype(np.float64)
     assert np.linalg.norm(logits.get() - prod) / np.linalg.norm(prod) < 1e-3
 
 
 @gpu
-def test_gemm_captures_into_a_graph():
+def test_gemv_refuses_what_it_cannot_take():
+    cp = backend.xp
+    a, b = cp.ones((9, 576), cp.float16), cp.ones((960, 576), cp.float16)
+    with pytest.raises(ConfigError, match="at most 8 rows"):
+        gemm(a, b, cp.ones((9, 960), cp.float16), transpose_b=True, method="gemv")
+    with pytest.raises(ConfigError, match="method must be"):
+        gemm(a[:1], b, cp.ones((1, 960), cp.float16), transpose_b=True, method="fast")
+
+
+@gpu
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_gemm_captures_into_a_graph(transpose_b):
     """The reason gemm exists: it replays from a CUDA graph, reading its input anew."""
     cp, rng = backend.xp, np.random.default_rng(8)
-    a, b = _rand(rng, (8, 576), np.float16), _rand(rng, (576, 3072), np.float16)
+    a = _rand(rng, (8, 576), np.float16)
+    b = _rand(rng, (3072, 576) if transpose_b else (576, 3072), np.float16)
     out = cp.zeros((8, 3072), np.float16)
     s = cp.cuda.Stream(non_blocking=True)
     with s:
-        gemm(a, b, out)
+        gemm(a, b, out, transpose_b=transpose_b)
         s.begin_capture()
-        gemm(a, b, out)
+        gemm(a, b, out, transpose_b=transpose_b)
         graph = s.end_capture()
         for _ in range(2):
             a[...] = _rand(rng, (8, 576), np.float16)
             graph.launch(s)
             s.synchronize()
-            ref = a.get().astype(np.float64) @ b.get().astype(np.float64)
+            w = b.get().astype(np.float64)
+            ref = a.get().astype(np.float64) @ (w.T if transpose_b else w)
             assert np.linalg.norm(out.get() - ref) / np.linalg.norm(ref) < 1e-3
 
 

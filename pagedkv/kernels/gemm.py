@@ -5,7 +5,8 @@ being captured into a graph (it sets the handle's stream first, and that step ra
 capture). cuBLAS itself captures fine, so :func:`gemm` calls ``cublasGemmEx`` through
 :mod:`ctypes`, on a cuBLAS handle of its own, in the same library CuPy loaded. Chosen over
 nvmath-python (NVIDIA's bindings, which also work) because it needs no package beyond CuPy's
-own, and over a kernel of our own because cuBLAS is faster at these shapes (perf/LOG.md).
+own. For a single row a kernel of our own (``gemv.cu``) is a little faster; from a few rows
+up cuBLAS is (perf/LOG.md).
 
 Row-major arrays as NumPy lays them out; cuBLAS thinks in columns, so ``C = A @ B`` is asked
 for as ``C^T = B^T A^T``, which is the same bytes. ``accumulate=True`` adds the product to
@@ -20,8 +21,9 @@ import functools
 import numpy as np
 
 from .. import backend
+from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import dtype_name, is_cupy
+from ._common import DTYPE_CODES, dtype_name, is_cupy, kernel, load_source, sm_count
 
 __all__ = ["gemm"]
 
@@ -86,10 +88,21 @@ def _rows(a, name: str):
     return a.shape
 
 
-def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False):
+#: The most rows the few-row kernel (``gemv.cu``) takes, and the longest row (its shared
+#: memory); ``"auto"`` takes it up to GEMV_AUTO_ROWS rows, where it beat cuBLAS on the H200
+#: (perf/LOG.md: 0.99 against 1.06 ms a batch-1 step; at 8 rows it lost, 2.6 against 1.1).
+GEMV_MAX_ROWS, GEMV_MAX_K, GEMV_AUTO_ROWS = 8, 1536, 1
+
+
+def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False,
+         method: str = "auto"):
     """``out = a @ b`` (``a @ b.T`` with ``transpose_b``), or ``out += ...`` with
     ``accumulate``; float32 accumulation. ``a`` [M, K], ``b`` [K, N] (or [N, K]), ``out``
-    [M, N]; ``out`` may be float32 when ``a`` and ``b`` are 16-bit. Returns ``out``."""
+    [M, N]; ``out`` may be float32 when ``a`` and ``b`` are 16-bit. Returns ``out``.
+
+    On a GPU, ``method`` ``"cublas"`` calls cuBLAS; ``"gemv"`` our kernel for a few rows
+    (``gemv.cu``: ``transpose_b``, M at most 8, K a multiple of 8 up to 1536); ``"auto"``
+    takes the kernel for one row, cuBLAS otherwise."""
     m, k = _rows(a, "a")
     n = b.shape[0] if transpose_b else b.shape[1]
     if (b.shape[1] if transpose_b else b.shape[0]) != k or tuple(out.shape) != (m, n):
@@ -107,6 +120,19 @@ def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False):
     t_ab, t_out = dtype_name(a), dtype_name(out)
     if dtype_name(b) != t_ab:
         raise ConfigError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
+    fits = transpose_b and m <= GEMV_MAX_ROWS and k % 8 == 0 and k <= GEMV_MAX_K
+    if method == "gemv" and not fits:
+        raise ConfigError(f"the gemv kernel takes b transposed, at most {GEMV_MAX_ROWS} rows "
+                          f"and K a multiple of 8 up to {GEMV_MAX_K}; got a {tuple(a.shape)}, "
+                          f"b {tuple(b.shape)}{' transposed' if transpose_b else ''}")
+    if method not in ("auto", "gemv", "cublas"):
+        raise ConfigError(f"method must be 'auto', 'gemv' or 'cublas', got {method!r}")
+    if method == "gemv" or (method == "auto" and fits and m <= GEMV_AUTO_ROWS):
+        name = f"gemv_t<{DTYPE_CODES[t_ab]}, {DTYPE_CODES[t_out]}, {m}>"
+        fn = kernel(load_source("gemv.cu"), name)
+        fn((min(cdiv(n, 8), 8 * sm_count()),), (256,),
+           (a, b, out, np.int32(k), np.int32(n), np.int32(accumulate)))
+        return out
     cb = _cublas()
     cb.set_stream(backend.xp.cuda.get_current_stream().ptr)
     vp = ctypes.c_void_p

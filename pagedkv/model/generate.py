@@ -86,6 +86,10 @@ class Sequence:
     def generated(self) -> list:
         return self.tokens[self.prompt_len:]
 
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
 
 @dataclass
 class Request:
@@ -178,7 +182,8 @@ class Engine(Scheduling):
     chapter 10 shows, ``"fast"`` the fused kernels, static buffers and (on a GPU) CUDA graphs
     of :class:`~pagedkv.model.runner.FastRunner` for decode steps, whose page tables hold
     ``max_context`` tokens (default: the model's context); ``"fast-eager"`` the same kernels
-    without graphs.
+    without graphs. ``bookkeeping`` is ``"teaching"`` (the core the chapters show) or
+    ``"fast"`` (:mod:`pagedkv.fast`: the same plans, batched in NumPy).
     """
 
     def __init__(self, model: Llama, *, num_blocks: int, block_size: int = 16,
@@ -186,12 +191,20 @@ class Engine(Scheduling):
                  audit: bool = False, on_step=None, prefix_caching: bool = False,
                  preemption: str = "recompute", host_blocks: int = 0,
                  watermark: float = 0.01, runner: str = "plain",
-                 max_context: int | None = None):
+                 max_context: int | None = None, bookkeeping: str = "teaching"):
         self.model = model
-        self.kv = PagedKV.for_model(model, num_blocks, block_size)
+        if bookkeeping == "teaching":
+            classes, cache_cls = {}, PrefixCachingManager
+        elif bookkeeping == "fast":
+            from .. import fast
+            from ..fast.prefix import PrefixCachingManager as cache_cls
+            classes = dict(allocator_cls=fast.BlockAllocator, manager_cls=fast.KVCacheManager)
+        else:
+            raise ConfigError(f"bookkeeping must be 'teaching' or 'fast', got {bookkeeping!r}")
+        self.kv = PagedKV.for_model(model, num_blocks, block_size, **classes)
         # the pool's manager is one that knows token ids, whether or not it caches by them
-        self.manager = self.kv.manager = PrefixCachingManager(self.kv.allocator, block_size,
-                                                              caching=prefix_caching)
+        self.manager = self.kv.manager = cache_cls(self.kv.allocator, block_size,
+                                                   caching=prefix_caching)
         self.block_size = block_size
         self.max_seqs = positive_int(max_seqs, "max_seqs")
         self.prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
@@ -401,7 +414,7 @@ class Engine(Scheduling):
         for seq, t in zip(req.live, tokens):
             seq.tokens.append(int(t))
         for seq in list(req.live):
-            if seq.tokens[-1] in self.stop_ids or len(seq.generated) >= p.max_new_tokens:
+            if seq.tokens[-1] in self.stop_ids or seq.num_generated >= p.max_new_tokens:
                 self._retire(req, seq)
 
     def _beam_step(self, req: Request, logits) -> None:

@@ -90,11 +90,13 @@ class FastRunner(ModelRunner):
 
     ``max_batch`` sequences decode at most at once; a page table holds ``max_context`` tokens
     (default: the model's context). ``graphs`` (default: on a GPU) replays captured graphs;
-    ``graphs=False`` runs the same kernels one by one (the eager path, for debugging).
+    ``graphs=False`` runs the same kernels one by one (the eager path, for debugging);
+    ``gemm_method`` picks cuBLAS or the few-row kernel (:func:`~pagedkv.kernels.gemm.gemm`).
     """
 
     def __init__(self, model: Llama, kv: PagedKV, *, max_batch: int = 256,
-                 max_context: int | None = None, graphs: bool | None = None):
+                 max_context: int | None = None, graphs: bool | None = None,
+                 gemm_method: str = "auto"):
         super().__init__(model, kv)
         c, xp = model.config, model.xp
         self.on_gpu = xp is not np
@@ -102,6 +104,7 @@ class FastRunner(ModelRunner):
             raise ConfigError("CUDA graphs need the CuPy backend (a GPU)")
         self.graphs = self.on_gpu if graphs is None else bool(graphs)
         self.max_batch = positive_int(max_batch, "max_batch")
+        self.gemm_method = gemm_method             # see pagedkv.kernels.gemm.gemm
         if kv.block_size not in KERNEL_BLOCK_SIZES:
             raise ConfigError(f"the fast runner decodes with block sizes "
                               f"{KERNEL_BLOCK_SIZES}, not {kv.block_size}")
@@ -122,6 +125,11 @@ class FastRunner(ModelRunner):
             gate_up=xp.zeros((B, 2 * c.ffn), dt), act=xp.zeros((B, c.ffn), dt),
             logits=xp.zeros((B, c.vocab_size), np.float32), greedy=xp.zeros(B, np.int32))
         self._greedy_host = _host_int32(B, pinned=self.on_gpu)
+        # Every weight as [out, in] (each output's numbers in one row: what the few-row
+        # multiply reads best); a copy on the GPU, a view of the model's on NumPy.
+        t = (lambda w: xp.ascontiguousarray(w.T)) if self.on_gpu else (lambda w: w.T)
+        self.weights = [(t(layer.wqkv), t(layer.wo), t(layer.w_gate_up), t(layer.w_down))
+                        for layer in model.layers]
         self._views: dict[int, _Views] = {}
         self._graphs: dict[int, object] = {}
         self.stream = xp.cuda.Stream(non_blocking=True) if self.on_gpu else None
@@ -175,21 +183,22 @@ class FastRunner(ModelRunner):
     def _pass(self, v: _Views) -> None:
         """The decode step's arithmetic into bucket ``v``'s buffers: what a graph captures."""
         m, kv, c = self.model, self.kv, self.model.config
-        eps, b = c.norm_eps, v.x.shape[0]
+        eps, b, g = c.norm_eps, v.x.shape[0], self.gemm_method
         embed(v.tokens, m.embedding, out=v.x)
-        for i, layer in enumerate(m.layers):
+        for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(m.layers,
+                                                                       self.weights)):
             rms_norm(v.x, layer.attn_norm, eps, out=v.h)
-            gemm(v.h, layer.wqkv, v.qkv)
+            gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
             rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q, kv.layers[i],
                           c.heads, c.kv_heads)
             self._attend(v, i)
-            gemm(v.attn.reshape(b, -1), layer.wo, v.x, accumulate=True)   # x += attn @ wo
+            gemm(v.attn.reshape(b, -1), wo, v.x, accumulate=True, transpose_b=True, method=g)  # x += o
             rms_norm(v.x, layer.mlp_norm, eps, out=v.h)
-            gemm(v.h, layer.w_gate_up, v.gate_up)
+            gemm(v.h, w_gate_up, v.gate_up, transpose_b=True, method=g)
             silu_mul(v.gate_up, out=v.act)
-            gemm(v.act, layer.w_down, v.x, accumulate=True)               # x += mlp(x)
+            gemm(v.act, w_down, v.x, accumulate=True, transpose_b=True, method=g)   # x += mlp(x)
         rms_norm(v.x, m.norm, eps, out=v.h)
-        gemm(v.h, m.embedding, v.logits, transpose_b=True)                # the output head
+        gemm(v.h, m.embedding, v.logits, transpose_b=True, method=g)                # the output head
         argmax_rows(v.logits, out=v.greedy)
 
     def _attend(self, v: _Views, i: int) -> None:
