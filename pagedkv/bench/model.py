@@ -1,22 +1,30 @@
 """The real model's speed: ``python -m pagedkv.bench.model [--quick] [--json PATH] [--gguf PATH]``.
 
 On the backend in use (NumPy float32 on a CPU, CuPy float16 on a GPU) it measures, for
-SmolLM2-135M-Instruct generating greedily through the paged cache:
+SmolLM2-135M-Instruct generating greedily through the paged cache, ``batch`` copies of one chat
+prompt each decoding ``steps`` tokens (prefill excluded), at batch 1 and 8 on a CPU and 1, 8, 64
+and 256 on a GPU:
 
-* **where the time of one decode step goes**: the step is run with every matrix multiply
-  (``Llama.linear``), every attention call (``write_kv``, copy-on-write copies and the paged
-  attention), the bookkeeping (``manager.step()`` and the plan) and the choice of the next token
-  timed separately, the device synchronised around each (so each part includes its GPU work);
-  "other" is the rest of the step: norms, rotary positions, activations, the residual adds,
-  uploads and the Python and launch overhead between them;
-* **tokens/s** of decoding (prefill excluded) at batch 1 and 8 on a CPU, 1, 8 and 64 on a GPU:
-  ``batch`` copies of one chat prompt, every sequence decoding ``steps`` tokens;
+* **the decode step** in milliseconds and tokens/s, per engine: ``pagedkv_plain`` (the plain
+  forward pass of chapter 10 on the teaching bookkeeping; on a GPU up to batch 64),
+  ``pagedkv_eager`` (the fast runner's fused kernels and static buffers, launched one by one,
+  on :mod:`pagedkv.fast`'s bookkeeping) and on a GPU ``pagedkv_graph`` (the same, replayed from
+  one CUDA graph per batch bucket; ``graph_replay_ms`` is the graph alone, without the engine's
+  Python), and ``floor`` (every weight and each sequence's K/V read once at the measured
+  device-to-device copy bandwidth);
+* **where the plain step's time goes** (``breakdown_ms``): the step run with every matrix
+  multiply (``Llama.linear``), every attention call (``write_kv``, copy-on-write copies and the
+  paged attention), the bookkeeping (``manager.step()`` and the plan) and the choice of the next
+  token timed separately, the device synchronised around each (so each part includes its GPU
+  work, and the parts sum to more than an unsynchronised step); "other" is the rest;
 * when ``transformers`` (with ``torch`` and ``accelerate``, which its GGUF loading needs) is
-  importable: the same model loaded from the same GGUF file by
-  ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, its ``generate()`` decode
-  tokens/s at the same batch sizes (the time of ``max(steps, 16)`` new tokens minus the time of
-  one, medians of 3; one torch thread on a CPU, as for NumPy), and its greedy tokens against ours
-  (float32 on both sides, then the GPU's float16) as a second oracle.
+  importable, in the same process on the same prompt: the model loaded from the same GGUF file,
+  ``generate()`` (``transformers``: the time of ``max(steps, 16)`` new tokens minus the time of
+  one, medians of 3; one torch thread on a CPU) and on a GPU ``generate(...,
+  cache_implementation="static")`` (``transformers_compiled``: torch.compile with CUDA graphs;
+  the median gap between tokens read by a synchronising streamer in a warmed call), and greedy
+  tokens of each of our engines against transformers' (float32 on both sides, then the GPU's
+  float16) as a second oracle.
 
 It prints a table; ``--json PATH`` writes every number. The model file comes from ``--gguf``,
 ``$PAGEDKV_GGUF``, or the installed package.
@@ -157,10 +165,10 @@ def graph_replay_ms(engine, repeat: int = 50) -> float | None:
 def fast_tokens_per_second(model, prompt, batch: int, steps: int, repeat: int,
                            graphs: bool, max_context: int) -> dict:
     """:func:`tokens_per_second` on the fast runner, and the graph's own replay time."""
-    r = tokens_per_second(model, prompt, batch, steps, repeat, runner="fast",
-                          max_context=max_context)
+    fast = dict(runner="fast", max_context=max_context, bookkeeping="fast")
+    r = tokens_per_second(model, prompt, batch, steps, repeat, **fast)
     if graphs:
-        engine = _engine(model, prompt, batch, steps, runner="fast", max_context=max_context)
+        engine = _engine(model, prompt, batch, steps, **fast)
         engine.step()
         r["graph_replay_ms"] = graph_replay_ms(engine)
         engine.run()
@@ -315,6 +323,9 @@ def run(args) -> dict:
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "python": platform.python_version(), "numpy": np.__version__,
          "command": "python -m pagedkv.bench.model " + " ".join(args.argv),
+         "engines": {"pagedkv_plain": "runner='plain', bookkeeping='teaching'",
+                     "pagedkv_eager": "runner='fast-eager', bookkeeping='fast'",
+                     "pagedkv_graph": "runner='fast', bookkeeping='fast'"},
          "pagedkv_plain": {}, "pagedkv_eager": {}, "pagedkv_graph": {}, "floor": {},
          "breakdown_ms": {}}
     print(f"model: SmolLM2-135M-Instruct, {model.dtype} on {backend.name}; prompt "
@@ -326,7 +337,8 @@ def run(args) -> dict:
             r["pagedkv_plain"][b] = tokens_per_second(model, prompt, b, steps, repeat)
             r["breakdown_ms"][b] = breakdown(model, prompt, b, steps)
         r["pagedkv_eager"][b] = tokens_per_second(model, prompt, b, steps, repeat,
-                                                  runner="fast-eager", max_context=max_context)
+                                                  runner="fast-eager", max_context=max_context,
+                                                  bookkeeping="fast")
         if backend.on_gpu:
             r["pagedkv_graph"][b] = fast_tokens_per_second(model, prompt, b, steps, repeat,
                                                            True, max_context)
