@@ -1,22 +1,30 @@
 """The real model's speed: ``python -m pagedkv.bench.model [--quick] [--json PATH] [--gguf PATH]``.
 
 On the backend in use (NumPy float32 on a CPU, CuPy float16 on a GPU) it measures, for
-SmolLM2-135M-Instruct generating greedily through the paged cache:
+SmolLM2-135M-Instruct generating greedily through the paged cache, ``batch`` copies of one chat
+prompt each decoding ``steps`` tokens (prefill excluded), at batch 1 and 8 on a CPU and 1, 8, 64
+and 256 on a GPU:
 
-* **where the time of one decode step goes**: the step is run with every matrix multiply
-  (``Llama.linear``), every attention call (``write_kv``, copy-on-write copies and the paged
-  attention), the bookkeeping (``manager.step()`` and the plan) and the choice of the next token
-  timed separately, the device synchronised around each (so each part includes its GPU work);
-  "other" is the rest of the step: norms, rotary positions, activations, the residual adds,
-  uploads and the Python and launch overhead between them;
-* **tokens/s** of decoding (prefill excluded) at batch 1 and 8 on a CPU, 1, 8 and 64 on a GPU:
-  ``batch`` copies of one chat prompt, every sequence decoding ``steps`` tokens;
+* **the decode step** in milliseconds and tokens/s, per engine: ``pagedkv_plain`` (the plain
+  forward pass of chapter 10 on the teaching bookkeeping; on a GPU up to batch 64),
+  ``pagedkv_eager`` (the fast runner's fused kernels and static buffers, launched one by one,
+  on :mod:`pagedkv.fast`'s bookkeeping) and on a GPU ``pagedkv_graph`` (the same, replayed from
+  one CUDA graph per batch bucket; ``graph_replay_ms`` is the graph alone, without the engine's
+  Python), and ``floor`` (every weight and each sequence's K/V read once at the measured
+  device-to-device copy bandwidth);
+* **where the plain step's time goes** (``breakdown_ms``): the step run with every matrix
+  multiply (``Llama.linear``), every attention call (``write_kv``, copy-on-write copies and the
+  paged attention), the bookkeeping (``manager.step()`` and the plan) and the choice of the next
+  token timed separately, the device synchronised around each (so each part includes its GPU
+  work, and the parts sum to more than an unsynchronised step); "other" is the rest;
 * when ``transformers`` (with ``torch`` and ``accelerate``, which its GGUF loading needs) is
-  importable: the same model loaded from the same GGUF file by
-  ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, its ``generate()`` decode
-  tokens/s at the same batch sizes (the time of ``max(steps, 16)`` new tokens minus the time of
-  one, medians of 3; one torch thread on a CPU, as for NumPy), and its greedy tokens against ours
-  (float32 on both sides, then the GPU's float16) as a second oracle.
+  importable, in the same process on the same prompt: the model loaded from the same GGUF file,
+  ``generate()`` (``transformers``: the time of ``max(steps, 16)`` new tokens minus the time of
+  one, medians of 3; one torch thread on a CPU) and on a GPU ``generate(...,
+  cache_implementation="static")`` (``transformers_compiled``: torch.compile with CUDA graphs;
+  the median gap between tokens read by a synchronising streamer in a warmed call), and greedy
+  tokens of each of our engines against transformers' (float32 on both sides, then the GPU's
+  float16) as a second oracle.
 
 It prints a table; ``--json PATH`` writes every number. The model file comes from ``--gguf``,
 ``$PAGEDKV_GGUF``, or the installed package.
@@ -46,6 +54,8 @@ IDENTITY_PROMPTS = [(QUESTION, True), (QUESTION, False),
                     ("Name three colours of the rainbow.", True),
                     ("Write one sentence about memory.", True)]
 PARTS = ("matmul", "attention", "bookkeeping", "sampling", "other")
+COLUMNS = ("pagedkv_plain", "pagedkv_eager", "pagedkv_graph", "transformers",
+           "transformers_compiled", "floor")
 
 
 def _now() -> float:
@@ -55,20 +65,24 @@ def _now() -> float:
 
 # ---------------------------------------------------------------------- our engine
 
-def _engine(model, prompt, batch: int, steps: int, block_size: int = 16) -> Engine:
+def _engine(model, prompt, batch: int, steps: int, block_size: int = 16,
+            **options) -> Engine:
     blocks = batch * cdiv(len(prompt) + steps + 2, block_size)
-    engine = Engine(model, num_blocks=blocks, block_size=block_size, max_seqs=max(64, batch))
+    engine = Engine(model, num_blocks=blocks, block_size=block_size, max_seqs=max(64, batch),
+                    **options)
     for _ in range(batch):                      # no stop token: every sequence decodes `steps`
         engine.submit(prompt, SamplingParams(max_new_tokens=steps + 1))
     engine.step()                               # admit, prefill, first decode step
     return engine
 
 
-def tokens_per_second(model, prompt, batch: int, steps: int, repeat: int = 3) -> dict:
-    """Decode-only throughput of the engine (the best of ``repeat`` runs, and their median)."""
+def tokens_per_second(model, prompt, batch: int, steps: int, repeat: int = 3,
+                      **options) -> dict:
+    """Decode-only throughput of the engine (the best of ``repeat`` runs, and their median);
+    ``options`` go to the :class:`Engine` (``runner="fast"``, ...)."""
     rates = []
     for _ in range(repeat):
-        engine = _engine(model, prompt, batch, steps)
+        engine = _engine(model, prompt, batch, steps, **options)
         t = _now()
         for _ in range(steps - 1):
             engine.step()
@@ -129,6 +143,62 @@ def breakdown(model, prompt, batch: int, steps: int) -> dict:
     return ms
 
 
+def graph_replay_ms(engine, repeat: int = 50) -> float | None:
+    """Device time of one replay of the graph the engine's fast runner used last (CUDA
+    events around ``repeat`` replays): the step without the engine's Python around it."""
+    runner = engine.runner
+    if not getattr(runner, "graphs", False) or not runner._graphs:
+        return None
+    cp = backend.xp
+    b = max(runner._graphs)
+    graph, s = runner._graphs[b], runner.stream
+    graph.launch(s)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(s)
+    for _ in range(repeat):
+        graph.launch(s)
+    end.record(s)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / repeat
+
+
+def fast_tokens_per_second(model, prompt, batch: int, steps: int, repeat: int,
+                           graphs: bool, max_context: int) -> dict:
+    """:func:`tokens_per_second` on the fast runner, and the graph's own replay time."""
+    fast = dict(runner="fast", max_context=max_context, bookkeeping="fast")
+    r = tokens_per_second(model, prompt, batch, steps, repeat, **fast)
+    if graphs:
+        engine = _engine(model, prompt, batch, steps, **fast)
+        engine.step()
+        r["graph_replay_ms"] = graph_replay_ms(engine)
+        engine.run()
+    return r
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, counting bytes read plus written
+    (the floor's ceiling; GPU only), the median of 10."""
+    cp = backend.xp
+    a = cp.ones(1 << 28, cp.float32)
+    b = cp.empty_like(a)
+    times = []
+    for _ in range(11):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        b[...] = a
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return 2 * a.nbytes / statistics.median(times[1:])
+
+
+def floor_ms(model, batch: int, context: int, bandwidth: float) -> float:
+    """The least a decode step can take: every weight read once, and each sequence's K/V
+    (``context`` tokens in every layer), at ``bandwidth`` bytes per second."""
+    kv = batch * context * model.kv_spec().bytes_per_token
+    return 1e3 * (model.weight_bytes + kv) / bandwidth
+
+
 # ---------------------------------------------------------------------- transformers
 
 def _hf_model(path, dtype_name: str):
@@ -165,6 +235,41 @@ def hf_tokens_per_second(hf, device, prompt, batch: int, steps: int, eos: int) -
     return {"tokens_per_s": rate, "step_ms": 1e3 * batch / rate}
 
 
+def hf_compiled_step(hf, device, prompt, batch: int, steps: int, eos: int) -> dict:
+    """transformers with its static cache (``cache_implementation="static"``: the generate
+    loop compiled with torch.compile, CUDA graphs included): one call to compile, one to warm,
+    then a call with a streamer that synchronises and reads the clock at every token; the step
+    is the median gap between tokens after the first two (no recompilation lands inside it:
+    every call has the same shapes)."""
+    import torch
+    ids = torch.tensor([prompt] * batch, device=device)
+    mask = torch.ones_like(ids)
+
+    class Clock:
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def run(streamer=None):
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                        do_sample=False, pad_token_id=eos, cache_implementation="static",
+                        streamer=streamer)
+    run()
+    run()
+    clock = Clock()
+    run(clock)
+    gaps = np.diff(clock.times[1:])[2:]          # times[0]: the prompt, put before decoding
+    step = float(np.median(gaps))
+    return {"tokens_per_s": batch / step, "step_ms": 1e3 * step}
+
+
 def hf_greedy(hf, device, prompt, n: int, eos: int) -> list:
     import torch
     ids = torch.tensor([prompt], device=device)
@@ -175,23 +280,25 @@ def hf_greedy(hf, device, prompt, n: int, eos: int) -> list:
     return toks[:toks.index(eos) + 1] if eos in toks else toks
 
 
-def ours_greedy(model, prompt, n: int, eos: int) -> list:
+def ours_greedy(model, prompt, n: int, eos: int, runner: str = "plain") -> list:
     engine = Engine(model, num_blocks=cdiv(len(prompt) + n, 16), block_size=16,
-                    stop_ids=[eos])
+                    stop_ids=[eos], runner=runner)
     (req,) = engine.generate([prompt], SamplingParams(max_new_tokens=n))
     return req.outputs()[0].generated
 
 
-def identity(model, hf, device, tok, n: int) -> list:
+def identity(model, hf, device, tok, n: int, runners=("plain",)) -> list:
+    """Greedy tokens of each of our ``runners`` against transformers', prompt by prompt."""
     rows = []
     for question, with_system in IDENTITY_PROMPTS:
         prompt = tok.chat(question) if with_system else tok.chat(question, system=None)
-        a = ours_greedy(model, prompt, n, tok.eos_id)
         b = hf_greedy(hf, device, prompt, n, tok.eos_id)
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        rows.append({"prompt": question, "system_prompt": with_system,
-                     "identical": a == b, "first_difference": same,
-                     "ours": tok.decode(a), "transformers": tok.decode(b)})
+        for runner in runners:
+            a = ours_greedy(model, prompt, n, tok.eos_id, runner)
+            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            rows.append({"prompt": question, "system_prompt": with_system, "runner": runner,
+                         "identical": a == b, "first_difference": same,
+                         "ours": tok.decode(a), "transformers": tok.decode(b)})
     return rows
 
 
@@ -206,47 +313,71 @@ def run(args) -> dict:
     tok = Tokenizer.from_checkpoint(ckpt)
     model = Llama(ckpt.config, ckpt.weights)
     prompt = tok.chat(QUESTION)
-    batches = ([1, 8, 64] if backend.on_gpu else [1, 8])
+    batches = args.batches or ([1, 8, 64, 256] if backend.on_gpu else [1, 8])
     steps = args.steps or (8 if args.quick else 32)
     repeat = 1 if args.quick else 3
+    max_context = args.max_context
     r = {"backend": backend.describe(), "dtype": str(model.dtype), "prompt_tokens": len(prompt),
          "steps": steps, "weight_bytes": model.weight_bytes,
-         "kv_bytes_per_token": model.kv_spec().bytes_per_token,
+         "kv_bytes_per_token": model.kv_spec().bytes_per_token, "max_context": max_context,
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "python": platform.python_version(), "numpy": np.__version__,
          "command": "python -m pagedkv.bench.model " + " ".join(args.argv),
-         "ours": {}, "breakdown_ms": {}}
+         "engines": {"pagedkv_plain": "runner='plain', bookkeeping='teaching'",
+                     "pagedkv_eager": "runner='fast-eager', bookkeeping='fast'",
+                     "pagedkv_graph": "runner='fast', bookkeeping='fast'"},
+         "pagedkv_plain": {}, "pagedkv_eager": {}, "pagedkv_graph": {}, "floor": {},
+         "breakdown_ms": {}}
     print(f"model: SmolLM2-135M-Instruct, {model.dtype} on {backend.name}; prompt "
           f"{len(prompt)} tokens; {steps} decode steps", flush=True)
+    if backend.on_gpu:
+        r["copy_bytes_per_s"] = bandwidth = copy_bandwidth()
     for b in batches:
-        r["ours"][b] = tokens_per_second(model, prompt, b, steps, repeat)
-        r["breakdown_ms"][b] = breakdown(model, prompt, b, steps)
-        print(f"  pagedkv batch {b:>3}: {r['ours'][b]['tokens_per_s']:9.1f} tokens/s", flush=True)
+        if b <= 64 or not backend.on_gpu:        # the plain path: ~50 ms a step on a GPU
+            r["pagedkv_plain"][b] = tokens_per_second(model, prompt, b, steps, repeat)
+            r["breakdown_ms"][b] = breakdown(model, prompt, b, steps)
+        r["pagedkv_eager"][b] = tokens_per_second(model, prompt, b, steps, repeat,
+                                                  runner="fast-eager", max_context=max_context,
+                                                  bookkeeping="fast")
+        if backend.on_gpu:
+            r["pagedkv_graph"][b] = fast_tokens_per_second(model, prompt, b, steps, repeat,
+                                                           True, max_context)
+            r["floor"][b] = {"step_ms": floor_ms(model, b, len(prompt) + steps, bandwidth)}
+        print(f"  pagedkv batch {b:>3}: " + ", ".join(
+            f"{k[8:]} {r[k][b]['step_ms']:.3f} ms" for k in
+            ("pagedkv_plain", "pagedkv_eager", "pagedkv_graph") if b in r[k]), flush=True)
     try:
         import torch
         import transformers
     except ImportError as exc:
         r["transformers"] = f"not importable ({exc.__class__.__name__}: {exc})"
+        return r
+    hf_dtype = "float16" if backend.on_gpu else "float32"
+    if not backend.on_gpu:                       # one thread, as for our NumPy path
+        torch.set_num_threads(1)
+    hf, device = _hf_model(path, hf_dtype)
+    r["transformers_version"], r["transformers_dtype"] = transformers.__version__, hf_dtype
+    r["transformers"], r["transformers_compiled"] = {}, {}
+    for b in batches:
+        r["transformers"][b] = hf_tokens_per_second(hf, device, prompt, b, max(steps, 16),
+                                                    tok.eos_id)
+        if backend.on_gpu and not args.no_compile:
+            r["transformers_compiled"][b] = hf_compiled_step(hf, device, prompt, b, steps + 1,
+                                                             tok.eos_id)
+        print(f"  transformers batch {b:>3}: " + ", ".join(
+            f"{k} {r[k][b]['step_ms']:.3f} ms" for k in ("transformers",
+                                                         "transformers_compiled")
+            if b in r[k]), flush=True)
+    n = 12 if args.quick else 32
+    runners = ("plain", "fast-eager", "fast") if backend.on_gpu else ("plain", "fast")
+    if backend.on_gpu:                           # the GPU's own precision, for the record
+        r["identity_float16"] = identity(model, hf, device, tok, n, runners)
+        hf32, _ = _hf_model(path, "float32")
+        del hf
+        ours32 = Llama(ckpt.config, ckpt.weights, dtype=np.float32)
+        r["identity_float32"] = identity(ours32, hf32, device, tok, n, runners)
     else:
-        hf_dtype = "float16" if backend.on_gpu else "float32"
-        if not backend.on_gpu:                   # one thread, as for our NumPy path
-            torch.set_num_threads(1)
-        hf, device = _hf_model(path, hf_dtype)
-        r["transformers"] = {"version": transformers.__version__, "dtype": hf_dtype, "tokens": {}}
-        for b in batches:
-            r["transformers"]["tokens"][b] = hf_tokens_per_second(hf, device, prompt, b,
-                                                                  max(steps, 16), tok.eos_id)
-            print(f"  transformers batch {b:>3}: "
-                  f"{r['transformers']['tokens'][b]['tokens_per_s']:9.1f} tokens/s", flush=True)
-        n = 12 if args.quick else 32
-        if backend.on_gpu:                       # the GPU's own precision, for the record
-            r["transformers"]["identity_float16"] = identity(model, hf, device, tok, n)
-            hf32, _ = _hf_model(path, "float32")
-            del hf
-            ours32 = Llama(ckpt.config, ckpt.weights, dtype=np.float32)
-            r["transformers"]["identity_float32"] = identity(ours32, hf32, device, tok, n)
-        else:
-            r["transformers"]["identity_float32"] = identity(model, hf, device, tok, n)
+        r["identity_float32"] = identity(model, hf, device, tok, n, runners)
     return r
 
 
@@ -259,25 +390,21 @@ def table(r: dict) -> str:
              f"{'batch':>6} " + " ".join(f"{p:>12}" for p in PARTS + ("total",))]
     for b, ms in r["breakdown_ms"].items():
         lines.append(f"{b:>6} " + " ".join(f"{ms[p]:>12.2f}" for p in PARTS + ("total",)))
-    hf = r["transformers"] if isinstance(r["transformers"], dict) else None
-    lines.append("decode tokens/s (prefill excluded):")
-    lines.append(f"{'batch':>6} {'pagedkv':>12} {'step ms':>9}" +
-                 (f" {'transformers':>13} {'step ms':>9}" if hf else ""))
-    for b, o in r["ours"].items():
-        row = f"{b:>6} {o['tokens_per_s']:>12.1f} {o['step_ms']:>9.2f}"
-        if hf:
-            h = hf["tokens"][b]
-            row += f" {h['tokens_per_s']:>13.1f} {h['step_ms']:>9.2f}"
-        lines.append(row)
-    if hf:
-        for key in ("identity_float32", "identity_float16"):
-            for row in hf.get(key, []):
-                what = "identical" if row["identical"] else \
-                    f"differ from token {row['first_difference']}"
-                lines.append(f"greedy vs transformers ({key[9:]}, "
-                             f"{'with' if row['system_prompt'] else 'no'} system prompt) "
-                             f"{row['prompt']!r}: {what}; ours {row['ours']!r}")
-    else:
+    columns = [k for k in COLUMNS if isinstance(r.get(k), dict) and r[k]]
+    lines.append("decode step, milliseconds (tokens/s), prefill excluded:")
+    lines.append(f"{'batch':>6} " + " ".join(f"{k:>24}" for k in columns))
+    for b in sorted({b for k in columns for b in r[k]}, key=int):
+        lines.append(f"{b:>6} " + " ".join(
+            f"{r[k][b]['step_ms']:>11.3f} ({r[k][b].get('tokens_per_s', 0):>10.0f})"
+            if b in r[k] else f"{'':>24}" for k in columns))
+    for key in ("identity_float32", "identity_float16"):
+        for row in r.get(key, []):
+            what = "identical" if row["identical"] else \
+                f"differ from token {row['first_difference']}"
+            lines.append(f"greedy vs transformers ({key[9:]}, {row['runner']}, "
+                         f"{'with' if row['system_prompt'] else 'no'} system prompt) "
+                         f"{row['prompt']!r}: {what}")
+    if not isinstance(r.get("transformers"), dict):
         lines.append(f"transformers: {r['transformers']}")
     lines.append(f"(weights {r['weight_bytes'] / 1e6:.0f} MB, KV {r['kv_bytes_per_token']:,} "
                  f"bytes a token; {r['date']}; Python {r['python']}, NumPy {r['numpy']})")
@@ -293,6 +420,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every number to PATH")
     p.add_argument("--gguf", metavar="PATH", help="the model file (default: $PAGEDKV_GGUF, "
                    "else the installed package's)")
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="batch sizes (default 1 8 64 256 on a GPU, 1 8 on a CPU)")
+    p.add_argument("--max-context", type=int, default=1024,
+                   help="tokens a page table of the fast runner holds (default 1024)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip transformers' compiled static-cache run (tens of seconds)")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 2:
         p.error("--steps must be at least 2")

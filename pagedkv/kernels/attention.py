@@ -157,9 +157,16 @@ class DecodePlan:
     _fn: object = dataclasses.field(repr=False, compare=False)
     _merge: object = dataclasses.field(repr=False, compare=False)
 
-    def run(self, q, cache, block_tables, seq_lens, out=None, scale=None):
+    def scratch_floats(self, batch: int, q_heads: int, head_dim: int) -> int:
+        """float32 numbers of scratch the split results need (0 without splits)."""
+        return batch * q_heads * self.num_splits * (head_dim + 1) if self.num_splits > 1 else 0
+
+    def run(self, q, cache, block_tables, seq_lens, out=None, scale=None, scratch=None):
         """Launch on CuPy arrays of the shape this plan was made for, without re-checking them
-        (for a decode loop whose shapes do not change; :func:`paged_decode_attention` checks)."""
+        (for a decode loop whose shapes do not change; :func:`paged_decode_attention` checks).
+        ``scratch`` (float32, :meth:`scratch_floats` long) holds the split results; by default a
+        buffer shared by every launch on the stream, which may be replaced by a larger one (a
+        CUDA graph, whose addresses are fixed, must bring its own)."""
         cp = backend.xp
         batch, q_heads, d = q.shape
         kv_heads = cache.shape[3]
@@ -171,7 +178,10 @@ class DecodePlan:
             raise ConfigError("out must be C-contiguous")
         if self.num_splits > 1:
             n = batch * q_heads * self.num_splits
-            scratch = _scratch(4 * n * (d + 1))
+            if scratch is None:
+                scratch = _scratch(4 * n * (d + 1))
+            elif scratch.size < n * (d + 1) or scratch.dtype != np.float32:
+                raise ConfigError(f"scratch must hold {n * (d + 1)} float32 numbers")
             part_o, part_lse = scratch[:n * d], scratch[n * d:n * (d + 1)]
         else:
             part_o = part_lse = out                      # unused by the kernel

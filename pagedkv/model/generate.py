@@ -32,7 +32,8 @@ from .. import backend
 from ..checks import is_int, positive_int
 from ..errors import ConfigError
 from ..prefix_cache import PrefixCachingManager
-from .llama import Batch, Llama, PagedKV, forward
+from .llama import Batch, Llama, PagedKV
+from .runner import FastRunner, ModelRunner
 from .scheduling import Counts, Scheduling
 
 __all__ = ["SamplingParams", "Sequence", "Request", "Engine", "sample", "log_softmax_topk",
@@ -84,6 +85,10 @@ class Sequence:
     @property
     def generated(self) -> list:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
 
 @dataclass
@@ -172,18 +177,34 @@ class Engine(Scheduling):
     ``"recompute"`` or ``"swap"`` (into a host pool of ``host_blocks`` blocks). With
     ``prefix_caching``, full blocks stay cached by their tokens after their sequence leaves,
     and a new prompt (or a preempted one coming back) starts from the blocks it finds.
+
+    ``runner`` executes the passes (:mod:`pagedkv.model.runner`): ``"plain"`` the forward pass
+    chapter 10 shows, ``"fast"`` the fused kernels, static buffers and (on a GPU) CUDA graphs
+    of :class:`~pagedkv.model.runner.FastRunner` for decode steps, whose page tables hold
+    ``max_context`` tokens (default: the model's context); ``"fast-eager"`` the same kernels
+    without graphs. ``bookkeeping`` is ``"teaching"`` (the core the chapters show) or
+    ``"fast"`` (:mod:`pagedkv.fast`: the same plans, batched in NumPy).
     """
 
     def __init__(self, model: Llama, *, num_blocks: int, block_size: int = 16,
                  max_seqs: int = 64, stop_ids=(), prefill_chunk: int = 512,
                  audit: bool = False, on_step=None, prefix_caching: bool = False,
                  preemption: str = "recompute", host_blocks: int = 0,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, runner: str = "plain",
+                 max_context: int | None = None, bookkeeping: str = "teaching"):
         self.model = model
-        self.kv = PagedKV.for_model(model, num_blocks, block_size)
+        if bookkeeping == "teaching":
+            classes, cache_cls = {}, PrefixCachingManager
+        elif bookkeeping == "fast":
+            from .. import fast
+            from ..fast.prefix import PrefixCachingManager as cache_cls
+            classes = dict(allocator_cls=fast.BlockAllocator, manager_cls=fast.KVCacheManager)
+        else:
+            raise ConfigError(f"bookkeeping must be 'teaching' or 'fast', got {bookkeeping!r}")
+        self.kv = PagedKV.for_model(model, num_blocks, block_size, **classes)
         # the pool's manager is one that knows token ids, whether or not it caches by them
-        self.manager = self.kv.manager = PrefixCachingManager(self.kv.allocator, block_size,
-                                                              caching=prefix_caching)
+        self.manager = self.kv.manager = cache_cls(self.kv.allocator, block_size,
+                                                   caching=prefix_caching)
         self.block_size = block_size
         self.max_seqs = positive_int(max_seqs, "max_seqs")
         self.prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
@@ -191,6 +212,15 @@ class Engine(Scheduling):
         self.audit = audit
         self.on_step = on_step           # called as on_step(engine) after every step
         self._schedule(watermark, preemption, host_blocks)
+        if runner == "plain":
+            self.runner = ModelRunner(model, self.kv)
+        elif runner in ("fast", "fast-eager"):
+            self.runner = FastRunner(model, self.kv, max_batch=self.max_seqs,
+                                     max_context=max_context,
+                                     graphs=False if runner == "fast-eager" else None)
+        else:
+            raise ConfigError(f"runner must be 'plain', 'fast' or 'fast-eager', "
+                              f"got {runner!r}")
         self.waiting: deque = deque()
         self.running: list = []          # in admission order: the last is preempted first
         self.swapped: deque = deque()
@@ -206,14 +236,15 @@ class Engine(Scheduling):
         with its new tokens, or could never run (admission answers "never": the reason)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
-        vocab, context = self.model.config.vocab_size, self.model.config.context
+        vocab, context = self.model.config.vocab_size, self.runner.max_tokens
+        whose = "model's" if context == self.model.config.context else "runner's max"
         if not prompt:
             raise ConfigError("the prompt is empty: give at least one token")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ConfigError(f"prompt token ids must lie in [0, {vocab})")
         if len(prompt) + params.max_new_tokens > context:
             raise ConfigError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones "
-                              f"exceed the model's context of {context} tokens")
+                              f"exceed the {whose} context of {context} tokens")
         req = Request(next(self._ids), prompt, params, np.random.default_rng(params.seed))
         answer, why = self.admission(req)
         if answer == "never":
@@ -284,7 +315,7 @@ class Engine(Scheduling):
                 parts.append(self._prefill_part(seq, budget))
                 budget -= len(parts[-1][1])
                 rows.append((req, seq))
-            logits = forward(self.model, self.kv, self._batch(parts))
+            logits, _ = self.runner.prefill(self._batch(parts))
             done = set()
             for row, (req, seq) in enumerate(rows):
                 if self.manager.num_tokens(seq.seq_id) == _cached_target(seq):
@@ -360,25 +391,30 @@ class Engine(Scheduling):
             positions=plan.seq_lens - 1, slots=plan.slot_mapping,
             query_lens=np.ones(len(seqs), dtype=np.int32), seq_lens=plan.seq_lens,
             block_tables=plan.block_tables, copies=plan.copies)
-        logits = forward(self.model, self.kv, batch)
+        logits, greedy = self.runner.decode(batch)
         start = 0
         for req in reqs:
-            rows = logits[start:start + len(req.live)]
-            start += len(req.live)
+            end = start + len(req.live)
+            rows = logits[start:end]
             if req.params.beam_width > 1:
                 self._beam_step(req, rows)
             else:
-                self._sample_step(req, rows)
+                self._sample_step(req, rows, None if greedy is None else greedy[start:end])
+            start = end
 
-    def _sample_step(self, req: Request, logits) -> None:
-        """Greedy or sampled: each live sequence takes one token from its row."""
+    def _sample_step(self, req: Request, logits, greedy=None) -> None:
+        """Greedy or sampled: each live sequence takes one token from its row (``greedy``:
+        the rows' greedy tokens, when the runner chose them already)."""
         p = req.params
         u = req.rng.random(len(req.live)) if p.temperature > 0 else None
-        tokens = sample(logits, p.temperature, p.top_p, u)
-        for seq, t in zip(req.live, tokens.tolist()):
+        if p.temperature == 0 and greedy is not None:
+            tokens = greedy
+        else:
+            tokens = sample(logits, p.temperature, p.top_p, u).tolist()
+        for seq, t in zip(req.live, tokens):
             seq.tokens.append(int(t))
         for seq in list(req.live):
-            if seq.tokens[-1] in self.stop_ids or len(seq.generated) >= p.max_new_tokens:
+            if seq.tokens[-1] in self.stop_ids or seq.num_generated >= p.max_new_tokens:
                 self._retire(req, seq)
 
     def _beam_step(self, req: Request, logits) -> None:

@@ -159,10 +159,11 @@ class PagedKV:
     that each layer's cache is one C-contiguous array, as the kernels need.
     """
 
-    def __init__(self, spec, num_blocks: int, block_size: int, *, xp=None):
+    def __init__(self, spec, num_blocks: int, block_size: int, *, xp=None,
+                 allocator_cls=BlockAllocator, manager_cls=KVCacheManager):
         self.spec, self.block_size = spec, block_size
-        self.allocator = BlockAllocator(num_blocks, spec.block_bytes(block_size), xp=xp)
-        self.manager = KVCacheManager(self.allocator, block_size)
+        self.allocator = allocator_cls(num_blocks, spec.block_bytes(block_size), xp=xp)
+        self.manager = manager_cls(self.allocator, block_size)
         # Fresh memory may hold any bit pattern, NaN included. The slots past a sequence's end
         # are masked out of attention, but a masked weight 0 times NaN is still NaN in the
         # NumPy decode path: start from zeros (afterwards unused slots hold old, finite K/V).
@@ -173,8 +174,11 @@ class PagedKV:
         self.copies_done = 0
 
     @classmethod
-    def for_model(cls, model: Llama, num_blocks: int, block_size: int) -> "PagedKV":
-        return cls(model.kv_spec(), num_blocks, block_size, xp=model.xp)
+    def for_model(cls, model: Llama, num_blocks: int, block_size: int,
+                  **classes) -> "PagedKV":
+        """The cache for ``model``; ``classes``: ``allocator_cls`` and ``manager_cls`` (the
+        teaching core's by default, :mod:`pagedkv.fast`'s for speed)."""
+        return cls(model.kv_spec(), num_blocks, block_size, xp=model.xp, **classes)
 
     def copy(self, pairs) -> None:
         """Execute copy-on-write copies (src, dst) in every layer, before any write."""

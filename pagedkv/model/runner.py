@@ -1,0 +1,279 @@
+"""The runner: the part of the engine that executes what the scheduler decided.
+
+The engine's loop decides which sequences run and what each brings (a :class:`Batch`, built
+from the manager's plans); a runner turns that into logits and chosen tokens, and is the only
+part that touches the model's arrays and the paged K/V. Two runners, one interface:
+
+* :class:`ModelRunner` — the plain forward pass of :mod:`pagedkv.model.llama`, as chapter 10
+  shows it: every operation an array expression, new arrays each step. Clear, and on a GPU
+  bound by the launch of ~1,800 small kernels a step.
+* :class:`FastRunner` — the same arithmetic for decode steps, rearranged for speed: fused
+  kernels (:mod:`pagedkv.kernels.fused`), one q|k|v and one gate|up multiply a layer through
+  cuBLAS (:mod:`pagedkv.kernels.gemm`), the residual adds folded into the multiplies, every
+  array allocated once at the largest batch, the step's small inputs uploaded in one copy, the
+  greedy choice made on the device, and — on a GPU — each batch size (padded up to a *bucket*:
+  1, 2, 4, 8, 16, 24, ...) captured once as a CUDA graph and replayed. Prefill and
+  copy-on-write copies stay on the plain path. On NumPy it runs the kernels' references, with
+  the same buffers and order, so the CPU tests exercise the same code.
+
+Both return, for a batch, float32 logits of each sequence's last token (on the device) and,
+where they have it, the greedy token of each row as host ints (``None`` otherwise).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import backend
+from ..checks import cdiv, positive_int
+from ..errors import ConfigError
+from ..kernels import decode_plan, paged_decode_attention
+from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mul
+from ..kernels.gemm import gemm
+from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward
+
+__all__ = ["ModelRunner", "FastRunner", "buckets"]
+
+
+class ModelRunner:
+    """The plain path: :func:`~pagedkv.model.llama.forward` for every pass."""
+
+    def __init__(self, model: Llama, kv: PagedKV):
+        self.model, self.kv = model, kv
+        self.max_tokens = model.config.context     # the longest sequence it can run
+
+    def prefill(self, batch: Batch):
+        """Logits of each sequence's last new token; no greedy tokens."""
+        return forward(self.model, self.kv, batch), None
+
+    def decode(self, batch: Batch):
+        return forward(self.model, self.kv, batch), None
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 8 up to 64, then every 16,
+    ending at ``max_batch`` (a batch runs in the smallest bucket that holds it)."""
+    out, b = [], 1
+    while b < min(8, max_batch):
+        out.append(b)
+        b *= 2
+    while b < max_batch:
+        out.append(b)
+        b += 8 if b < 64 else 16
+    return out + [max_batch]
+
+
+class _Views(NamedTuple):
+    """Every buffer of one bucket: the first ``b`` rows of the full-size arrays."""
+    tokens: object
+    positions: object
+    slots: object
+    seq_lens: object
+    tables: object
+    x: object          # the residual stream [b, hidden]
+    h: object          # a normed copy of it
+    qkv: object        # [b, (heads + 2 kv_heads) * head_dim]
+    q: object          # [b, heads, head_dim], rotated
+    attn: object       # [b, heads, head_dim]
+    gate_up: object    # [b, 2 ffn]
+    act: object        # [b, ffn]
+    logits: object     # float32 [b, vocab]
+    greedy: object     # int32 [b]
+    plan: object       # the attention's launch for this bucket (GPU), or None
+    scratch: object    # its split results (GPU), or None
+
+
+class FastRunner(ModelRunner):
+    """Decode steps through fused kernels, static buffers and (on a GPU) one CUDA graph per
+    bucket; prefill on the plain path.
+
+    ``max_batch`` sequences decode at most at once; a page table holds ``max_context`` tokens
+    (default: the model's context). ``graphs`` (default: on a GPU) replays captured graphs;
+    ``graphs=False`` runs the same kernels one by one (the eager path, for debugging);
+    ``gemm_method`` picks cuBLAS or the few-row kernel (:func:`~pagedkv.kernels.gemm.gemm`).
+    """
+
+    def __init__(self, model: Llama, kv: PagedKV, *, max_batch: int = 256,
+                 max_context: int | None = None, graphs: bool | None = None,
+                 gemm_method: str = "auto"):
+        super().__init__(model, kv)
+        c, xp = model.config, model.xp
+        self.on_gpu = xp is not np
+        if graphs and not self.on_gpu:
+            raise ConfigError("CUDA graphs need the CuPy backend (a GPU)")
+        self.graphs = self.on_gpu if graphs is None else bool(graphs)
+        self.max_batch = positive_int(max_batch, "max_batch")
+        self.gemm_method = gemm_method             # see pagedkv.kernels.gemm.gemm
+        if kv.block_size not in KERNEL_BLOCK_SIZES:
+            raise ConfigError(f"the fast runner decodes with block sizes "
+                              f"{KERNEL_BLOCK_SIZES}, not {kv.block_size}")
+        max_context = positive_int(max_context or c.context, "max_context")
+        self.max_tokens = min(max_context, c.context)
+        self.width = cdiv(self.max_tokens, kv.block_size)
+        self.buckets = buckets(self.max_batch) if self.on_gpu else None
+        B, dt = self.max_batch, model.dtype
+        # the step's small inputs, side by side in one int32 array so that one copy uploads
+        # them: tokens, positions, slots, seq_lens (B each), then the page tables [B, width]
+        self._meta_host = _host_int32(4 * B + B * self.width, pinned=self.on_gpu)
+        self._meta = xp.zeros(self._meta_host.shape, np.int32)
+        nq, nk = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        self._full = dict(
+            x=xp.zeros((B, c.hidden), dt), h=xp.zeros((B, c.hidden), dt),
+            qkv=xp.zeros((B, nq + 2 * nk), dt), q=xp.zeros((B, c.heads, c.head_dim), dt),
+            attn=xp.zeros((B, c.heads, c.head_dim), dt),
+            gate_up=xp.zeros((B, 2 * c.ffn), dt), act=xp.zeros((B, c.ffn), dt),
+            logits=xp.zeros((B, c.vocab_size), np.float32), greedy=xp.zeros(B, np.int32))
+        self._greedy_host = _host_int32(B, pinned=self.on_gpu)
+        # Every weight as [out, in] (each output's numbers in one row: what the few-row
+        # multiply reads best); a copy on the GPU, a view of the model's on NumPy.
+        t = (lambda w: xp.ascontiguousarray(w.T)) if self.on_gpu else (lambda w: w.T)
+        self.weights = [(t(layer.wqkv), t(layer.wo), t(layer.w_gate_up), t(layer.w_down))
+                        for layer in model.layers]
+        self._views: dict[int, _Views] = {}
+        self._graphs: dict[int, object] = {}
+        self.stream = xp.cuda.Stream(non_blocking=True) if self.on_gpu else None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ buffers
+    def _bucket(self, n: int) -> int:
+        if n > self.max_batch:
+            raise ConfigError(f"a decode batch of {n} sequences is more than max_batch = "
+                              f"{self.max_batch}")
+        if not self.on_gpu:
+            return n
+        return next(b for b in self.buckets if b >= n)
+
+    def _view(self, b: int) -> _Views:
+        v = self._views.get(b)
+        if v is not None:
+            return v
+        B, m = self.max_batch, self._meta
+        cut = {name: a[:b] for name, a in self._full.items()}
+        tables = m[4 * B:4 * B + b * self.width].reshape(b, self.width)
+        plan = scratch = None
+        c = self.model.config
+        if self.on_gpu:
+            plan = decode_plan(cut["q"], self.kv.layers[0], tables)
+            n = plan.scratch_floats(b, c.heads, c.head_dim)
+            scratch = self.model.xp.zeros(max(n, 1), np.float32)
+        v = self._views[b] = _Views(m[:b], m[B:B + b], m[2 * B:2 * B + b],
+                                    m[3 * B:3 * B + b], tables, plan=plan, scratch=scratch,
+                                    **cut)
+        return v
+
+    def _stage(self, batch: Batch, b: int) -> int:
+        """Fill the host copy of the inputs for bucket ``b`` (padding rows: slot -1, length
+        0) and return how many of its int32 numbers the device needs."""
+        n, B, W, h = len(batch.tokens), self.max_batch, self.width, self._meta_host
+        tables = batch.block_tables
+        if tables.shape[1] > W:
+            raise ConfigError(f"a page table of {tables.shape[1]} blocks is wider than "
+                              f"max_context allows ({W} blocks)")
+        for i, a in enumerate((batch.tokens, batch.positions, batch.slots, batch.seq_lens)):
+            h[i * B:i * B + n] = a
+            h[i * B + n:i * B + b] = -1 if i == 2 else 0
+        t = h[4 * B:4 * B + b * W].reshape(b, W)
+        t[:n, :tables.shape[1]] = tables
+        t[:n, tables.shape[1]:] = 0
+        t[n:] = 0
+        return 4 * B + b * W
+
+    # ------------------------------------------------------------------ one decode pass
+    def _pass(self, v: _Views) -> None:
+        """The decode step's arithmetic into bucket ``v``'s buffers: what a graph captures."""
+        m, kv, c = self.model, self.kv, self.model.config
+        eps, b, g = c.norm_eps, v.x.shape[0], self.gemm_method
+        embed(v.tokens, m.embedding, out=v.x)
+        for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(m.layers,
+                                                                       self.weights)):
+            rms_norm(v.x, layer.attn_norm, eps, out=v.h)
+            gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
+            rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q, kv.layers[i],
+                          c.heads, c.kv_heads)
+            self._attend(v, i)
+            gemm(v.attn.reshape(b, -1), wo, v.x, accumulate=True, transpose_b=True, method=g)  # x += o
+            rms_norm(v.x, layer.mlp_norm, eps, out=v.h)
+            gemm(v.h, w_gate_up, v.gate_up, transpose_b=True, method=g)
+            silu_mul(v.gate_up, out=v.act)
+            gemm(v.act, w_down, v.x, accumulate=True, transpose_b=True, method=g)   # x += mlp(x)
+        rms_norm(v.x, m.norm, eps, out=v.h)
+        gemm(v.h, m.embedding, v.logits, transpose_b=True, method=g)                # the output head
+        argmax_rows(v.logits, out=v.greedy)
+
+    def _attend(self, v: _Views, i: int) -> None:
+        cache = self.kv.layers[i]
+        if v.plan is not None:                     # the GPU: the bucket's fixed launch
+            v.plan.run(v.q, cache, v.tables, v.seq_lens, out=v.attn, scale=self.model.scale,
+                       scratch=v.scratch)
+        else:
+            paged_decode_attention(v.q, cache, v.tables, v.seq_lens, out=v.attn,
+                                   scale=self.model.scale)
+
+    # ------------------------------------------------------------------ the interface
+    def decode(self, batch: Batch):
+        """One decode step: copy-on-write copies, then the pass (replayed from its graph on a
+        GPU); one upload of the inputs, one download of the greedy tokens."""
+        n = len(batch.tokens)
+        if not batch.is_decode:
+            raise ConfigError("FastRunner.decode takes one new token per sequence")
+        b = self._bucket(n)
+        v = self._view(b)
+        count = self._stage(batch, b)              # checks first: a refused step changes nothing
+        self.kv.copy(batch.copies)                 # plain path, on the default stream
+        self.steps += 1
+        if not self.on_gpu:
+            self._meta[:count] = self._meta_host[:count]
+            self._pass(v)
+            return v.logits[:n], v.greedy[:n].tolist()
+        xp, s = self.model.xp, self.stream
+        s.wait_event(xp.cuda.Stream.null.record())  # after the prefill and copies before it
+        self._meta.data.copy_from_host_async(self._meta_host.ctypes.data, 4 * count, s)
+        with s:
+            if self.graphs:
+                graph = self._graphs.get(b) or self._capture(b, v)
+                graph.launch(s)
+            else:
+                self._pass(v)
+        v.greedy.data.copy_to_host_async(self._greedy_host.ctypes.data, 4 * b, s)
+        s.synchronize()
+        return v.logits[:n], self._greedy_host[:n].tolist()
+
+    def _capture(self, b: int, v: _Views):
+        """Run the pass once (compiles kernels, lets cuBLAS choose), then capture it."""
+        s = self.stream
+        self._pass(v)                              # the warm-up, on this very stream
+        s.synchronize()
+        s.begin_capture()
+        try:
+            self._pass(v)
+        finally:
+            graph = s.end_capture()
+        graph.upload(s)
+        self._graphs[b] = graph
+        return graph
+
+    def capture_all(self) -> int:
+        """Capture every bucket's graph now (otherwise each is captured at its first use).
+        The pass writes K/V only at slot -1 rows here: nothing in the pool changes."""
+        if not self.graphs:
+            return 0
+        for b in self.buckets:
+            if b not in self._graphs:
+                v = self._view(b)
+                h = self._meta_host
+                h[:] = 0
+                h[2 * self.max_batch:3 * self.max_batch] = -1      # every slot: padding
+                self._meta.data.copy_from_host_async(h.ctypes.data, h.nbytes, self.stream)
+                with self.stream:
+                    self._capture(b, v)
+        self.stream.synchronize()
+        return len(self._graphs)
+
+
+def _host_int32(n: int, pinned: bool) -> np.ndarray:
+    """An int32 host array; page-locked on a GPU, so copies to the device run asynchronously."""
+    if not pinned:
+        return np.zeros(n, np.int32)
+    import cupyx
+    return cupyx.empty_pinned((n,), np.int32)

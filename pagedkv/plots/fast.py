@@ -1,0 +1,85 @@
+"""Pictures of the fast decode step: each engine's step time against the floor, where a
+graph's time goes, and a step's timeline with launches one by one and replayed from a graph.
+Same conventions as :mod:`pagedkv.plots.memory` (no pyplot, the Okabe-Ito palette, labels of
+at least 9 pt)."""
+from __future__ import annotations
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from ..errors import ConfigError
+from .memory import EDGE_COLOR, PALETTE
+
+__all__ = ["draw_step_times", "draw_graph_parts", "draw_timeline"]
+
+
+def draw_step_times(steps: dict, batches, *, title=None) -> Figure:
+    """Grouped bars on a log scale: ``steps[engine][batch]`` milliseconds (a missing batch
+    leaves a gap), one group per batch size, one colour per engine."""
+    batches = [str(b) for b in batches]
+    fig = Figure(figsize=(9, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    width = 0.8 / max(1, len(steps))
+    for k, (name, per_batch) in enumerate(steps.items()):
+        xs = [i + (k - (len(steps) - 1) / 2) * width for i, b in enumerate(batches)
+              if b in per_batch]
+        ys = [per_batch[b] for b in batches if b in per_batch]
+        ax.bar(xs, ys, width, color=PALETTE[k % len(PALETTE)], label=name,
+               edgecolor="white", lw=0.5)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches], fontsize=9)
+    ax.set_ylabel("milliseconds a decode step (log scale)", fontsize=9)
+    ax.legend(fontsize=9, ncols=2, frameon=False)
+    ax.grid(axis="y", which="both", lw=0.3, alpha=0.5)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+def draw_graph_parts(parts: dict, batches, *, title=None) -> Figure:
+    """Stacked bars, one per batch size: ``parts[name][batch]`` milliseconds of each part of a
+    step (the multiplies, the small kernels, attention, the engine's Python...)."""
+    batches = [str(b) for b in batches]
+    for name, per_batch in parts.items():
+        if set(per_batch) != set(batches):
+            raise ConfigError(f"part {name!r} has batches {sorted(per_batch)}, "
+                              f"the figure {batches}")
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    bottom = [0.0] * len(batches)
+    for k, (name, per_batch) in enumerate(parts.items()):
+        ys = [max(0.0, per_batch[b]) for b in batches]
+        ax.bar(range(len(batches)), ys, 0.6, bottom=bottom, color=PALETTE[k % len(PALETTE)],
+               label=name, edgecolor="white", lw=0.5)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches], fontsize=9)
+    ax.set_ylabel("milliseconds", fontsize=9)
+    ax.legend(fontsize=9, frameon=False, loc="upper left")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+def draw_timeline(rows: dict, *, span_us: float, title=None) -> Figure:
+    """Timelines of the first ``span_us`` microseconds of a step, one pair of lanes (host,
+    device) per entry of ``rows``: ``rows[name] = (host, device)``, each a list of (start, end)
+    microseconds, drawn as boxes."""
+    fig = Figure(figsize=(9, 0.9 + 1.1 * len(rows)), layout="constrained")
+    ax = fig.add_subplot()
+    labels = []
+    for r, (name, (host, device)) in enumerate(rows.items()):
+        for lane, (spans, color) in enumerate(((host, PALETTE[1]), (device, PALETTE[4]))):
+            y = 2.6 * r + lane
+            for a, b in spans:
+                if a < span_us:
+                    ax.add_patch(Rectangle((a, y + 0.1), min(b, span_us) - a, 0.8,
+                                           facecolor=color, edgecolor=EDGE_COLOR, lw=0.3))
+            labels.append((y + 0.5, f"{name}: {'host' if lane == 0 else 'GPU'}"))
+    ax.set_xlim(0, span_us)
+    ax.set_ylim(2.6 * len(rows) - 0.6, 0)
+    ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=9)
+    ax.set_xlabel("microseconds from the start of the step", fontsize=9)
+    ax.tick_params(axis="y", length=0)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
