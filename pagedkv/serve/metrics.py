@@ -34,7 +34,7 @@ class LoopCollector:
                                 "admission (and swapped out)", value=s["waiting"] + s["swapped"])
         for name, key, doc in (
                 ("pagedkv_requests", "requests", "Requests accepted"),
-                ("pagedkv_requests_rejected", "rejected", "Requests refused (400, 429)"),
+                ("pagedkv_requests_rejected", "rejected", "Requests the engine loop refused (429, or the engine's own 400)"),
                 ("pagedkv_requests_cancelled", "cancelled", "Requests cancelled (client gone)"),
                 ("pagedkv_prompt_tokens", "prompt_tokens", "Prompt tokens submitted"),
                 ("pagedkv_generation_tokens", "generated_tokens", "Tokens generated"),
