@@ -227,6 +227,26 @@ def test_disconnect_frees_blocks(client, server):
     assert _metric(server, "pagedkv_requests_cancelled_total") == before + 1
 
 
+def test_disconnect_without_streaming(client, server):
+    """A client that gives up waiting for a whole (non-streamed) answer: the server sees
+    the connection close, cancels the request and frees its blocks."""
+    before = _metric(server, "pagedkv_requests_cancelled_total")
+    body = dict(model=MODEL, prompt="A long story:", max_tokens=LONG, temperature=0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/completions", json=body, timeout=1.0)
+    assert _idle(server)["audit"] == "ok"
+    assert _metric(server, "pagedkv_requests_cancelled_total") == before + 1
+
+
+def test_command_line_errors():
+    """Bad flags: one line on stderr, status 2, nothing started."""
+    for flags, words in ((["--num-blocks", "0"], "--num-blocks must be at least 1"),
+                         (["--max-waiting", "0"], "--max-waiting must be at least 1")):
+        r = subprocess.run([sys.executable, "-m", "pagedkv.serve", "--model", "tiny",
+                            *flags], capture_output=True, text=True, env=ENV, timeout=60)
+        assert r.returncode == 2 and words in r.stderr, (r.returncode, r.stderr)
+
+
 def test_metrics(client, server):
     """The Prometheus text: every family, and counters that move with a request."""
     text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
@@ -358,7 +378,7 @@ def test_real_model_equals_generate_cli():
                           "--max-new-tokens", str(n)], capture_output=True, text=True,
                          env=ENV, timeout=120, check=True)
     expected = cli.stdout.splitlines()[0]
-    with ServerProcess("--num-blocks", 32, env=ENV, timeout=90) as s:
+    with ServerProcess("--num-blocks", 32, env=ENV, timeout=120) as s:
         c = openai.OpenAI(base_url=s.base_url, api_key="none", timeout=60, max_retries=0)
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=n,
                                       temperature=0,

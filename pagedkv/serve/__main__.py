@@ -60,8 +60,9 @@ def main(argv=None) -> int:
             print(f"error: --{name.replace('_', '-')} must be at least 1, got "
                   f"{getattr(args, name)}", file=sys.stderr)
             return 2
-    if args.max_waiting < 0:
-        print(f"error: --max-waiting must be >= 0, got {args.max_waiting}", file=sys.stderr)
+    if args.max_waiting < 1:
+        print(f"error: --max-waiting must be at least 1, got {args.max_waiting}",
+              file=sys.stderr)
         return 2
     import uvicorn
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from importlib import resources
 
 from starlette.applications import Starlette
@@ -108,14 +109,19 @@ def create_app(loop, served) -> Starlette:
     async def collect(request, job, channel, ids):
         n = job.params.n
         texts, reasons = [""] * n, [None] * n
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     ev = await asyncio.wait_for(channel.get(), DISCONNECT_POLL)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
+                    ev = None
+                if time.monotonic() - checked >= DISCONNECT_POLL:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():     # nobody is waiting for it
                         loop.cancel(job)
                         return Response(status_code=499)
+                if ev is None:
                     continue
                 if ev["type"] == "delta":
                     texts[ev["index"]] += ev["text"]
