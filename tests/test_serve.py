@@ -322,6 +322,20 @@ def test_bad_input(client, server, endpoint, body, param, words):
     assert _metric(server, "pagedkv_requests_total") == requests
 
 
+def test_unknown_paths_and_methods(client, server):
+    """404 and 405 come as OpenAI error objects too."""
+    r = httpx.get(server.base_url + "/embeddings", timeout=TIMEOUT)
+    assert r.status_code == 404 and "Not Found" in r.json()["error"]["message"]
+    r = httpx.get(server.base_url + "/completions", timeout=TIMEOUT)
+    assert r.status_code == 405 and "GET /v1/completions" in r.json()["error"]["message"]
+
+
+def test_binds_to_this_machine_by_default():
+    from pagedkv.serve.__main__ import parser
+    args = parser().parse_args([])
+    assert (args.host, args.port, args.prefix_caching) == ("127.0.0.1", 8000, False)
+
+
 def test_bad_input_through_the_client(client):
     """The openai client raises its BadRequestError with the server's message."""
     with pytest.raises(openai.BadRequestError, match="max_tokens must be an integer >= 1"):

@@ -10,6 +10,7 @@ import time
 from importlib import resources
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -180,7 +181,13 @@ def create_app(loop, served) -> Starlette:
     async def index(request):
         return FileResponse(str(STATIC / "index.html"))
 
-    return Starlette(routes=[
+    async def http_error(request, exc: HTTPException):
+        # an unknown path or method, in OpenAI's error shape like everything else
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(ApiError(f"{request.method} {request.url.path}: {exc.detail}",
+                               status=exc.status_code, kind=kind))
+
+    return Starlette(exception_handlers={HTTPException: http_error}, routes=[
         Route("/", index),
         Route("/v1/models", models),
         Route("/v1/completions", completions, methods=["POST"]),

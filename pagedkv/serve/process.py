@@ -2,6 +2,7 @@
 answers, stopped with Ctrl-C's signal. The tests and the book use it."""
 from __future__ import annotations
 
+import atexit
 import json
 import signal
 import socket
@@ -62,6 +63,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env, cwd=self.cwd, text=True)
+        atexit.register(self._kill)          # a failed caller leaves no server behind
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -88,6 +90,11 @@ class ServerProcess:
             self.proc.wait()
             raise PagedKVError(f"the server did not stop within {timeout} s of SIGINT:\n"
                                f"{self.log()}") from None
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def __enter__(self):
         return self.start()
