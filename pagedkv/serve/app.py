@@ -68,7 +68,11 @@ def create_app(loop, served) -> Starlette:
         channel = Channel()
         job = Job(spec.prompt, spec.params, channel.emit, spec.stop, spec.want_pool)
         loop.submit(job)
-        first = await channel.get()
+        try:
+            first = await channel.get()
+        except asyncio.CancelledError:          # gone before the engine answered
+            loop.cancel(job)                    # (queued after the submit: runs after it)
+            raise
         if first["type"] == "rejected":
             kind = {429: "rate_limit_error", 503: "server_error"}.get(
                 first["status"], "invalid_request_error")
