@@ -31,10 +31,12 @@ class LoopCollector:
         yield GaugeMetricFamily("pagedkv_requests_running", "Requests decoding",
                                 value=s["running"])
         yield GaugeMetricFamily("pagedkv_requests_waiting", "Requests waiting for "
-                                "admission (and swapped out)", value=s["waiting"] + s["swapped"])
+                                "admission (and swapped out)",
+                                value=s["waiting"] + s["swapped"])
         for name, key, doc in (
                 ("pagedkv_requests", "requests", "Requests accepted"),
-                ("pagedkv_requests_rejected", "rejected", "Requests the engine loop refused (429, or the engine's own 400)"),
+                ("pagedkv_requests_rejected", "rejected",
+                 "Requests the engine loop refused (429, or the engine's own 400)"),
                 ("pagedkv_requests_cancelled", "cancelled", "Requests cancelled (client gone)"),
                 ("pagedkv_prompt_tokens", "prompt_tokens", "Prompt tokens submitted"),
                 ("pagedkv_generation_tokens", "generated_tokens", "Tokens generated"),
