@@ -473,6 +473,40 @@ class Engine(Scheduling):
             copies=self.kv.copies_done, running=len(self.running), waiting=len(self.waiting),
             swapped=len(self.swapped), preemptions=self.counts.preemptions))
 
+    # ------------------------------------------------------------------ cancelling
+    def cancel(self, req: Request) -> bool:
+        """Take ``req`` out of whichever queue holds it (waiting, running or swapped) and
+        free its sequences' blocks (a swapped-out request's host blocks too). Its live
+        sequences move to ``req.finished`` with the tokens they have; it does not join
+        ``finished``. Returns False, changing nothing, if it had already finished; raises
+        :class:`ConfigError` for a request this engine does not hold. All or nothing: every
+        block is checked to be held before any is freed."""
+        if any(r is req for r in self.finished):
+            return False
+        queue = next((q for q in (self.waiting, self.running, self.swapped)
+                      if any(r is req for r in q)), None)
+        if queue is None:
+            raise ConfigError(f"request {req.request_id} is not in this engine's queues")
+        ids = [s.seq_id for s in req.live]
+        if queue is self.swapped:
+            parked = [self.swapper.swapped[i].host_blocks for i in ids]
+        else:
+            held = [i for i in ids if i in self.manager]
+            if queue is self.running and len(held) != len(ids):
+                raise ConfigError(f"request {req.request_id} is running without the "
+                                  f"blocks of all its sequences")
+        queue.remove(req)
+        if queue is self.swapped:
+            for i, blocks in zip(ids, parked):
+                del self.swapper.swapped[i]
+                self.swapper.host.free_n(blocks)
+        else:
+            for i in held:
+                self.manager.free(i)
+        req.finished.extend(req.live)
+        req.live = []
+        return True
+
 
 def _cached_target(seq: Sequence) -> int:
     """How many of the sequence's tokens must have their K/V in the cache before it decodes:

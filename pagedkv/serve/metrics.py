@@ -1,0 +1,58 @@
+"""``GET /metrics``: the engine loop's numbers in the Prometheus text format.
+
+A custom collector (prometheus-client's pattern for values that live elsewhere) reads the
+loop's latest ``stats`` snapshot when scraped, so nothing is counted twice and the HTTP
+thread never touches the engine.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["registry_for", "render", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class LoopCollector:
+    def __init__(self, loop):
+        self.loop = loop
+
+    def collect(self):
+        s = self.loop.stats
+        blocks = GaugeMetricFamily("pagedkv_blocks", "Blocks of the KV pool, by state "
+                                   "(cached: idle, kept by the prefix cache)",
+                                   labels=["state"])
+        for state in ("used", "free", "cached"):
+            blocks.add_metric([state], s["pool"][state])
+        yield blocks
+        yield GaugeMetricFamily("pagedkv_blocks_total", "Blocks in the KV pool",
+                                value=s["pool"]["total"])
+        yield GaugeMetricFamily("pagedkv_requests_running", "Requests decoding",
+                                value=s["running"])
+        yield GaugeMetricFamily("pagedkv_requests_waiting", "Requests waiting for "
+                                "admission (and swapped out)",
+                                value=s["waiting"] + s["swapped"])
+        for name, key, doc in (
+                ("pagedkv_requests", "requests", "Requests accepted"),
+                ("pagedkv_requests_rejected", "rejected",
+                 "Requests the engine loop refused (429, or the engine's own 400)"),
+                ("pagedkv_requests_cancelled", "cancelled", "Requests cancelled (client gone)"),
+                ("pagedkv_prompt_tokens", "prompt_tokens", "Prompt tokens submitted"),
+                ("pagedkv_generation_tokens", "generated_tokens", "Tokens generated"),
+                ("pagedkv_engine_steps", "steps", "Engine steps")):
+            yield CounterMetricFamily(name, doc, value=s[key])
+        prefilled, cached = s["prompt_tokens_prefilled"], s["prompt_tokens_cached"]
+        yield GaugeMetricFamily("pagedkv_prefix_cache_hit_rate", "Share of prefilled prompt "
+                                "tokens found in the prefix cache",
+                                value=cached / prefilled if prefilled else 0.0)
+
+
+def registry_for(loop) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(LoopCollector(loop))
+    return registry
+
+
+def render(registry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,98 @@
+"""What the server runs: SmolLM2-135M-Instruct from its GGUF file, or a tiny random Llama.
+
+The tiny model (``--model tiny``) is for tests and for trying the server without the model
+file: a two-layer Llama with random weights (:func:`pagedkv.model.random_weights`) and a
+byte tokenizer (one id per UTF-8 byte, plus the chat template's control tokens), so any
+text has ids. Its answers are noise; its code path is the real one.
+
+Both come with the chat template :mod:`pagedkv.generate` uses: SmolLM2's, with its default
+system prompt when the conversation has none.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..model.tokenizer import DEFAULT_SYSTEM
+
+__all__ = ["Served", "ByteTokenizer", "chat_text", "load", "TINY_CONFIG", "TINY_SEED"]
+
+ROLES = ("system", "user", "assistant")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1, 2
+TINY_SEED = 2024
+
+
+def chat_text(messages, default_system: str | None = DEFAULT_SYSTEM) -> str:
+    """SmolLM2's chat template for a conversation (a list of ``(role, content)``), ending
+    where the assistant's answer starts. With no system turn first, ``default_system`` is
+    put there (``None``: none), as :func:`pagedkv.model.chat_prompt` does for one message.
+    """
+    turns = list(messages)
+    if default_system is not None and (not turns or turns[0][0] != "system"):
+        turns.insert(0, ("system", default_system))
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+    return text + "<|im_start|>assistant\n"
+
+
+class ByteTokenizer:
+    """Text <-> ids for the tiny model: the three control tokens are ids 0-2 (matched
+    whole), every other byte ``b`` of the UTF-8 text is id ``b + 3``."""
+
+
+    eos_id = 0
+    vocab_size = 256 + len(SPECIALS)
+
+    def encode(self, text: str) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            special = next((k for k, s in enumerate(SPECIALS) if text.startswith(s, i)), None)
+            if special is not None:
+                ids.append(special)
+                i += len(SPECIALS[special])
+            else:
+                ids.extend(b + len(SPECIALS) for b in text[i].encode("utf-8"))
+                i += 1
+        return ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        """One character a token: a byte is read as Latin-1, so that the text of a prefix
+        is always a prefix of the text (a random model's bytes are rarely valid UTF-8)."""
+        return "".join(chr(t - len(SPECIALS)) if t >= len(SPECIALS) else
+                       "" if skip_special else SPECIALS[t] for t in map(int, ids))
+
+
+def _tiny_config():
+    from ..model import LlamaConfig
+    return LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden=64, layers=2, heads=4,
+                       kv_heads=2, head_dim=64, ffn=128, rope_base=10000.0, context=2048)
+
+
+TINY_CONFIG = None  # built on first use (importing the model package costs time)
+
+
+@dataclass
+class Served:
+    """A model with its tokenizer, under the name clients ask for."""
+    name: str
+    model: object          # a pagedkv.model.Llama
+    tokenizer: object      # encode(text), decode(ids), eos_id
+    context: int
+
+
+def load(which: str = "smollm2", gguf: str | None = None) -> Served:
+    """``"smollm2"``: the GGUF file (``gguf``, else ``$PAGEDKV_GGUF``, else the installed
+    one); ``"tiny"``: the tiny random Llama. Raises :class:`ConfigError` for another name
+    (and :class:`~pagedkv.model.ModelNotFound` when the file is missing)."""
+    global TINY_CONFIG
+    import numpy as np
+    from ..model import Llama, Tokenizer, load_gguf, random_weights
+    if which == "tiny":
+        TINY_CONFIG = TINY_CONFIG or _tiny_config()
+        model = Llama(TINY_CONFIG, random_weights(TINY_CONFIG, TINY_SEED), xp=np)
+        return Served("tiny-random-llama", model, ByteTokenizer(), TINY_CONFIG.context)
+    if which != "smollm2":
+        raise ConfigError(f"--model must be 'smollm2' or 'tiny', got {which!r}")
+    ckpt = load_gguf(gguf)
+    tok = Tokenizer.from_checkpoint(ckpt)
+    model = Llama(ckpt.config, ckpt.weights)
+    return Served("SmolLM2-135M-Instruct", model, tok, ckpt.config.context)
