@@ -6,8 +6,13 @@ tokens with the hash of block ``j - 1`` as the seed (``xxh3_64``), so equal hash
 equal prefixes, up to a hash collision. A collision must never hand a request someone
 else's K/V, so a hit is confirmed exactly: the cached block's own tokens must equal the
 request's, and the block must have been computed after the very block the request
-matched just before it (each cached block remembers its parent's *serial number*, a
-counter that is never reused).
+matched just before it. Each cached block remembers its parent's *serial number* (a
+counter that is never reused). A hit follows the request's own chain: block ``j`` is
+found only as the child of the entry it found at ``j - 1``. And a block is cached only
+as the child of the entry its own sequence holds for the blocks before it (its own
+block, the block it hit, or an equal twin confirmed the same exact way), never as the
+child of whatever block the index holds under its parent's hash, which may be a
+collision's.
 
 :class:`CachedBlocks` wraps a :class:`~pagedkv.allocator.BlockAllocator` with the same
 calls and adds the cache. Its state, besides the allocator::
@@ -154,15 +159,22 @@ class CachedBlocks:
         block = self._block_of.get(hash_)
         return None if block is None else self._entry[block].serial
 
-    def insert(self, block: int, hash_: int, tokens: tuple, parent: int,
-               parent_hash: int) -> None:
-        """Cache a full block. If another block already holds this hash (two requests
-        computed the same prefix at once), the first stays the one the index answers
-        with."""
+    def insert(self, block: int, hash_: int, tokens, parent, parent_hash: int):
+        """Cache a full block computed after the entry with serial ``parent`` (0: a
+        sequence's first block; None: no entry holds the blocks before it). Returns the
+        serial of the entry that holds this prefix now, or None. If another block holds
+        the hash already (two requests computed the same prefix), the first stays the
+        one the index answers with, and its serial is returned if it is a true twin
+        (the same tokens after the same parent), None if it is a collision."""
+        if parent is None or (parent and self.serial(parent_hash) != parent):
+            return None                        # the parent is unknown, or evicted
         if hash_ not in self._block_of and block not in self._entry:
+            serial = next(self._serials)
             self._block_of[hash_] = block
-            self._entry[block] = Entry(hash_, tokens, next(self._serials), parent,
-                                       parent_hash)
+            self._entry[block] = Entry(hash_, tokens, serial, parent, parent_hash)
+            return serial
+        twin = self.lookup(hash_, tokens, parent)
+        return None if twin is None else twin[1]
 
     def audit(self) -> None:
         self.allocator.audit()
@@ -201,23 +213,25 @@ class PrefixCachingManager(KVCacheManager):
         self.caching = bool(caching)
         self._tokens: dict = {}       # sequence id -> its token ids
         self._hashes: dict = {}       # sequence id -> hashes of its full blocks
+        self._serials: dict = {}      # sequence id -> for each full block, the serial
+        #                               of the entry holding its tokens so far, or None
 
-    def _find_prefix(self, tokens: list) -> tuple[list, list]:
-        """Cached blocks holding the leading full blocks of ``tokens``, and their
-        hashes, stopping at the first miss. At least the last token is left to compute:
+    def _find_prefix(self, tokens: list) -> tuple[list, list, list]:
+        """Cached blocks holding the leading full blocks of ``tokens``, their hashes
+        and their serials, stopping at the first miss. At least the last token is left to compute:
         it is the one whose logits are needed, so a prompt never hits a block that ends
         the prompt."""
-        bs, blocks, hashes, parent = self.block_size, [], [], 0
+        bs, blocks, hashes, serials = self.block_size, [], [], []
         for j in range((len(tokens) - 1) // bs if self.caching else 0):
             block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
             hash_ = block_hash(hashes[-1] if hashes else 0, block_tokens)
-            hit = self.cache.lookup(hash_, block_tokens, parent)
+            hit = self.cache.lookup(hash_, block_tokens, serials[-1] if j else 0)
             if hit is None:
                 break
-            block, parent = hit
-            blocks.append(block)
+            blocks.append(hit[0])
+            serials.append(hit[1])
             hashes.append(hash_)
-        return blocks, hashes
+        return blocks, hashes, serials
 
     def _blocks_to_add(self, tokens: list, hits: list) -> int:
         """Free blocks admitting ``tokens`` takes: fresh blocks for what the cache
@@ -241,7 +255,7 @@ class PrefixCachingManager(KVCacheManager):
         fresh blocks for the rest. All or nothing, as :meth:`KVCacheManager.add`."""
         self._check_new(seq_id, "sequence")
         tokens = _token_list(tokens)
-        hits, hashes = self._find_prefix(tokens)
+        hits, hashes, serials = self._find_prefix(tokens)
         need = self._blocks_to_add(tokens, hits)
         if need > self.cache.num_free:
             raise OutOfBlocks(need, self.cache.num_free, f"add {seq_id!r}")
@@ -250,6 +264,7 @@ class PrefixCachingManager(KVCacheManager):
         table = self._tables[seq_id] = PageTable(self.block_size, hits,
                                                  len(hits) * self.block_size)
         self._tokens[seq_id], self._hashes[seq_id] = tokens, hashes
+        self._serials[seq_id] = serials
         plan = self._grow(table, len(tokens) - table.num_tokens)
         self._cache_full_blocks(seq_id)
         return PrefillPlan(plan.slots, plan.copies, len(hits) * self.block_size)
@@ -285,21 +300,21 @@ class PrefixCachingManager(KVCacheManager):
         if not self.caching:
             return
         bs, tokens, hashes = self.block_size, self._tokens[seq_id], self._hashes[seq_id]
-        blocks = self._tables[seq_id].blocks
+        serials, blocks = self._serials[seq_id], self._tables[seq_id].blocks
         for j in range(len(hashes), len(tokens) // bs):
             block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
             parent_hash = hashes[-1] if hashes else 0
             hashes.append(block_hash(parent_hash, block_tokens))
-            parent = self.cache.serial(parent_hash) if j else 0
-            if parent is not None:                 # its parent is still cached
-                self.cache.insert(blocks[j], hashes[-1], block_tokens, parent,
-                                  parent_hash)
+            # its parent: the entry this sequence holds for the blocks before it
+            serials.append(self.cache.insert(blocks[j], hashes[-1], block_tokens,
+                                             serials[-1] if j else 0, parent_hash))
 
     def fork(self, parent, *children) -> None:
         super().fork(parent, *children)
         for child in children:
             self._tokens[child] = list(self._tokens[parent])
             self._hashes[child] = list(self._hashes[parent])
+            self._serials[child] = list(self._serials[parent])
 
     def free(self, seq_id) -> None:
         """Release the sequence's blocks, the last one first: a cached block can only be
@@ -307,6 +322,7 @@ class PrefixCachingManager(KVCacheManager):
         head."""
         self.cache.free_n(self._table(seq_id).blocks[::-1])
         del self._tables[seq_id], self._tokens[seq_id], self._hashes[seq_id]
+        del self._serials[seq_id]
 
     def audit(self) -> None:
         """The manager's and the cache's invariants, and: each sequence holds K/V for as

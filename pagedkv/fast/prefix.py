@@ -24,7 +24,6 @@ import functools
 import struct
 from collections import Counter
 from operator import itemgetter
-from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -42,14 +41,6 @@ __all__ = ["CachedBlocks", "PrefixCachingManager"]
 _hash = xxhash.xxh3_64_intdigest
 _NO_BLOCKS = np.zeros(0, dtype=np.int32)
 _TOKENS, _SERIAL, _PARENT = itemgetter(1), itemgetter(2), itemgetter(3)   # Entry fields
-
-
-class Entry(NamedTuple):
-    hash: int
-    tokens: bytes        # the block's own tokens, as int64 bytes (what its hash hashed)
-    serial: int
-    parent: int
-    parent_hash: int
 
 
 @functools.lru_cache(maxsize=64)
@@ -79,9 +70,9 @@ def _token_array(tokens) -> np.ndarray:
 class CachedBlocks(prefix_cache.CachedBlocks):
     """The fast allocator's calls (one block, and the manager's batched ones), keeping
     full blocks cached after their last owner leaves, as
-    :class:`pagedkv.prefix_cache.CachedBlocks` does (whose state, counts and lookups of
-    idle blocks and serials this keeps). Idle blocks keep their one owner in the
-    allocator."""
+    :class:`pagedkv.prefix_cache.CachedBlocks` does (whose state, counts, lookups and
+    inserts this keeps; an entry's tokens are its int64 bytes here, what its hash
+    hashed). Idle blocks keep their one owner in the allocator."""
 
     def _counts(self, ids: np.ndarray) -> np.ndarray:
         counts = self.allocator._counts(ids)
@@ -158,13 +149,6 @@ class CachedBlocks(prefix_cache.CachedBlocks):
             self._drop_owners(np.array([b]))
 
     # -------------------------------------------------------------- the cache
-    def insert(self, block: int, hash_: int, tokens: bytes, parent: int,
-               parent_hash: int) -> None:
-        if hash_ not in self._block_of and block not in self._entry:
-            self._block_of[hash_] = block
-            self._entry[block] = Entry(hash_, tokens, next(self._serials), parent,
-                                       parent_hash)
-
     def take(self, blocks: list) -> None:
         """One more owner for each found block; idle ones leave the idle list."""
         pop = self._idle.pop                   # an idle block's value is None: so this both
@@ -200,6 +184,8 @@ class PrefixCachingManager(KVCacheManager):
         self.caching = bool(caching)
         self._tokens: dict = {}       # sequence id -> its token ids (a list)
         self._hashes: dict = {}       # sequence id -> hashes of its full blocks, in order
+        self._serials: dict = {}      # sequence id -> serials of its chain (the teaching
+        #                               manager's: an entry's, or None, per full block)
 
     # -------------------------------------------------------------- finding a prefix
     def _chain(self, data, full: int) -> list[int]:
@@ -271,21 +257,23 @@ class PrefixCachingManager(KVCacheManager):
         self._lens[row] = n * bs
         self._tokens[seq_id] = list(tokens) if type(tokens) is list else ids  # (see _ids_of)
         self._hashes[seq_id] = hashes
+        self._serials[seq_id] = [cache._entry[b].serial for b in hits]
         plan = self._grow(row, len(ids) - n * bs, fresh, -1) if fresh else self._empty_plan()
         if self.caching:                        # name the new full blocks, in order
-            self._name(self._tables[row], hashes, n, data)
+            self._name(self._tables[row], seq_id, n, data)
         return PrefillPlan(plan.slots, plan.copies, n * bs)
 
-    def _name(self, table, hashes, first: int, data) -> None:
-        """Insert blocks ``first ..`` of a row into the cache, under their hashes: a
-        block whose parent is no longer cached is not named."""
+    def _name(self, table, seq_id, first: int, data) -> None:
+        """Insert blocks ``first ..`` of a row into the cache, under their hashes, each
+        the child of the entry the sequence holds for the blocks before it (the teaching
+        ``_cache_full_blocks``' rule)."""
         bs8, cache = 8 * self.block_size, self.cache
+        hashes, serials = self._hashes[seq_id], self._serials[seq_id]
         for j in range(first, len(hashes)):
-            parent_hash = hashes[j - 1] if j else 0
-            parent = cache.serial(parent_hash) if j else 0
-            if parent is not None:
-                cache.insert(int(table[j]), hashes[j], bytes(data[j * bs8:(j + 1) * bs8]),
-                             parent, parent_hash)
+            serials.append(cache.insert(int(table[j]), hashes[j],
+                                        bytes(data[j * bs8:(j + 1) * bs8]),
+                                        serials[j - 1] if j else 0,
+                                        hashes[j - 1] if j else 0))
 
     @staticmethod
     def _empty_plan() -> Plan:
@@ -337,7 +325,7 @@ class PrefixCachingManager(KVCacheManager):
         for start in range(first * 8 * bs, full * 8 * bs, 8 * bs):
             h = _hash(data[start:start + 8 * bs], h)
             hashes.append(h)
-        self._name(self._tables[self._row_of[seq_id]], hashes, first, data)
+        self._name(self._tables[self._row_of[seq_id]], seq_id, first, data)
 
     # -------------------------------------------------------------- forking and freeing
     def fork(self, parent, *children) -> None:
@@ -345,6 +333,7 @@ class PrefixCachingManager(KVCacheManager):
         for child in children:
             self._tokens[child] = list(self._ids_of(parent))
             self._hashes[child] = list(self._hashes[parent])
+            self._serials[child] = list(self._serials[parent])
 
     def free(self, seq_id) -> None:
         """Release the sequence's blocks, the last one first (see the teaching manager).
@@ -352,7 +341,7 @@ class PrefixCachingManager(KVCacheManager):
         blocks = self._blocks(self._row(seq_id))
         blocks[:] = blocks[::-1].copy()            # the row is dropped next: only the order
         super().free(seq_id)                        # in which its blocks are given back moves
-        del self._tokens[seq_id], self._hashes[seq_id]
+        del self._tokens[seq_id], self._hashes[seq_id], self._serials[seq_id]
 
     def audit(self) -> None:
         super().audit()
