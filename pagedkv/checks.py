@@ -36,8 +36,8 @@ def cdiv(a, b):
 
 def bad_token_ids(tokens) -> ConfigError:
     """The error for token ids that break :func:`token_ids`' rule."""
-    return ConfigError(f"token ids must be integers in [0, 2**63), given as a list, a tuple "
-                       f"or a 1-D integer array; got {reprlib.repr(tokens)}")
+    return ConfigError(f"token ids must be integers in [0, 2**63), given as a list, a "
+                       f"tuple or a 1-D integer array; got {reprlib.repr(tokens)}")
 
 
 def token_ids(tokens) -> list:

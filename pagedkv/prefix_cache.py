@@ -52,7 +52,8 @@ from .errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
 from .manager import KVCacheManager, Plan, StepPlan, need_teaching_allocator
 from .page_table import PageTable
 
-__all__ = ["block_hash", "CachedBlocks", "PrefixCachingManager", "PrefillPlan", "Prompt"]
+__all__ = ["block_hash", "CachedBlocks", "PrefixCachingManager", "PrefillPlan",
+           "Prompt"]
 
 
 def block_hash(parent: int, tokens: tuple) -> int:
@@ -260,8 +261,8 @@ class PrefixCachingManager(KVCacheManager):
         prompt = self.prompt(tokens)
         bs, tokens, blocks, serials = self.block_size, prompt.tokens, [], []
         for j in range((len(tokens) - 1) // bs if self.caching else 0):
-            hit = self.cache.lookup(prompt.hashes[j], tuple(tokens[j * bs:(j + 1) * bs]),
-                                    serials[-1] if j else 0)
+            own = tuple(tokens[j * bs:(j + 1) * bs])
+            hit = self.cache.lookup(prompt.hashes[j], own, serials[-1] if j else 0)
             if hit is None:
                 break
             blocks.append(hit[0])
@@ -294,8 +295,8 @@ class PrefixCachingManager(KVCacheManager):
         prompt = self.prompt(tokens)
         tokens = list(prompt.tokens)
         if not tokens:
-            raise ConfigError("add needs at least one token (the last one's logits choose "
-                              "the next)")
+            raise ConfigError("add needs at least one token (the last one's logits "
+                              "choose the next)")
         hits, serials = self._find_prefix(prompt)
         need = self._blocks_to_add(tokens, hits)
         if need > self.cache.num_free:
