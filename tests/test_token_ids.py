@@ -159,3 +159,22 @@ def test_a_fast_manager_refuses_the_teaching_allocator(cls):
     with pytest.raises(ConfigError, match="needs a pagedkv.fast.BlockAllocator, got a "
                                           "pagedkv.allocator.BlockAllocator"):
         cls(allocator.BlockAllocator(8, 64, xp=np), 4)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_hashed_prompt_stands_for_its_ids(path):
+    """``prompt()`` checks and hashes once; ``add``, ``cached_prefix`` and ``blocks_to_add``
+    take the result as they take the ids, on either path, from either path; a prompt
+    hashed for another block size is hashed again."""
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    m, other = make(path), make("fast" if path == "teaching" else "teaching")
+    m.add("a", ids)
+    for p in (m.prompt(ids), other.prompt(ids), make(path, block_size=4).prompt(ids)):
+        assert type(p) is prefix_cache.Prompt and p.tokens == ids
+        assert m.cached_prefix(p) == m.cached_prefix(ids) == 6
+        assert m.blocks_to_add(p) == m.blocks_to_add(ids)
+    plan = m.add("b", m.prompt(ids).head(5))
+    assert plan.cached_tokens == 4 and m.tokens("b") == ids[:5]
+    with pytest.raises(ConfigError, match="token ids"):
+        m.step(["a"], m.prompt([1]))                 # a prompt is not a step's tokens
+    m.audit()
