@@ -8,9 +8,12 @@ State, and the invariants that tie it together (checked by :meth:`BlockAllocator
 
     _free       the ids of the free blocks, a stack: allocate pops the end, free appends
     _refcount   _refcount[b] is the number of owners of block b (0: free)
+    num_shared  how many blocks have more than one owner (counted as owners come and
+                go, so that a metric read every step costs O(1), not a pass over the pool)
 
 * a block is on the free stack if and only if its refcount is 0, and at most once;
-* so ``num_free + num_used == num_blocks`` always.
+* so ``num_free + num_used == num_blocks`` always;
+* ``num_shared`` is the number of blocks whose refcount is above 1.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class BlockAllocator:
         # lowest id on top, so a fresh pool hands out blocks 0, 1, 2, ... in order
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._refcount = [0] * self.num_blocks
+        self.num_shared = 0
 
     # ------------------------------------------------------------------ one block
     def allocate(self) -> int:
@@ -62,12 +66,15 @@ class BlockAllocator:
         self._refcount[b] -= 1
         if self._refcount[b] == 0:
             self._free.append(b)
+        elif self._refcount[b] == 1:
+            self.num_shared -= 1
 
     def share(self, block: int) -> None:
         """Add an owner to an allocated block (copy-on-write sharing, chapter 7)."""
         b = self._check_id(block)
         if self._refcount[b] == 0:
             raise InvalidBlock(f"cannot share block {b}: it is free")
+        self.num_shared += self._refcount[b] == 1
         self._refcount[b] += 1
 
     # ------------------------------------------------------------------ many blocks, all or nothing
@@ -102,6 +109,7 @@ class BlockAllocator:
             if self._refcount[b] == 0:
                 raise InvalidBlock(f"cannot share block {b}: it is free")
         for b in ids:
+            self.num_shared += self._refcount[b] == 1
             self._refcount[b] += times
 
     # ------------------------------------------------------------------ state
@@ -154,6 +162,9 @@ class BlockAllocator:
             if (refs[b] == 0) != (b in on_stack):
                 raise AuditError(f"block {b} has {refs[b]} owner(s) but is "
                                  f"{'on' if b in on_stack else 'not on'} the free stack")
+        if self.num_shared != sum(r > 1 for r in refs):
+            raise AuditError(f"num_shared is {self.num_shared} but "
+                             f"{sum(r > 1 for r in refs)} blocks have several owners")
 
     # ------------------------------------------------------------------ the memory
     @property

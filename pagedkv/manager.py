@@ -70,11 +70,26 @@ class CacheStats:
         return dict(self.__dict__)
 
 
+def need_teaching_allocator(manager, allocator) -> None:
+    """A teaching manager over anything but a teaching allocator is refused (and a fast
+    manager over a teaching one, the same way)."""
+    if not isinstance(allocator, BlockAllocator):
+        kind = type(allocator)
+        raise ConfigError(f"the teaching {type(manager).__name__} needs a "
+                          f"pagedkv.allocator.BlockAllocator, got a {kind.__module__}."
+                          f"{kind.__qualname__} (the fast allocator goes with the fast "
+                          f"managers of pagedkv.fast)")
+
+
 class KVCacheManager:
     """Page tables for many sequences over one :class:`BlockAllocator`, which it must own alone
     (its audit checks every refcount). ``block_size`` is tokens per block."""
 
+    allocator_type = BlockAllocator
+
     def __init__(self, allocator: BlockAllocator, block_size: int):
+        if not isinstance(allocator, self.allocator_type):
+            need_teaching_allocator(self, allocator)
         self.block_size = positive_int(block_size, "block_size")
         if allocator.block_bytes % self.block_size:
             raise ConfigError(f"a block of {allocator.block_bytes} bytes does not hold a whole "

@@ -6,8 +6,13 @@ tokens with the hash of block ``j - 1`` as the seed (``xxh3_64``), so equal hash
 equal prefixes, up to a hash collision. A collision must never hand a request someone
 else's K/V, so a hit is confirmed exactly: the cached block's own tokens must equal the
 request's, and the block must have been computed after the very block the request
-matched just before it (each cached block remembers its parent's *serial number*, a
-counter that is never reused).
+matched just before it. Each cached block remembers its parent's *serial number* (a
+counter that is never reused). A hit follows the request's own chain: block ``j`` is
+found only as the child of the entry it found at ``j - 1``. And a block is cached only
+as the child of the entry its own sequence holds for the blocks before it (its own
+block, the block it hit, or an equal twin confirmed the same exact way), never as the
+child of whatever block the index holds under its parent's hash, which may be a
+collision's.
 
 :class:`CachedBlocks` wraps a :class:`~pagedkv.allocator.BlockAllocator` with the same
 calls and adds the cache. Its state, besides the allocator::
@@ -42,12 +47,13 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from .checks import cdiv
+from .checks import cdiv, token_ids
 from .errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
-from .manager import KVCacheManager, Plan, StepPlan
+from .manager import KVCacheManager, Plan, StepPlan, need_teaching_allocator
 from .page_table import PageTable
 
-__all__ = ["block_hash", "CachedBlocks", "PrefixCachingManager", "PrefillPlan"]
+__all__ = ["block_hash", "CachedBlocks", "PrefixCachingManager", "PrefillPlan",
+           "Prompt"]
 
 
 def block_hash(parent: int, tokens: tuple) -> int:
@@ -86,6 +92,10 @@ class CachedBlocks:
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
+
+    @property
+    def num_shared(self) -> int:
+        return self.allocator.num_shared         # (an idle block has one owner)
 
     def refcount(self, block: int) -> int:
         return self.allocator.refcount(block) - (block in self._idle)
@@ -154,15 +164,22 @@ class CachedBlocks:
         block = self._block_of.get(hash_)
         return None if block is None else self._entry[block].serial
 
-    def insert(self, block: int, hash_: int, tokens: tuple, parent: int,
-               parent_hash: int) -> None:
-        """Cache a full block. If another block already holds this hash (two requests
-        computed the same prefix at once), the first stays the one the index answers
-        with."""
+    def insert(self, block: int, hash_: int, tokens, parent, parent_hash: int):
+        """Cache a full block computed after the entry with serial ``parent`` (0: a
+        sequence's first block; None: no entry holds the blocks before it). Returns the
+        serial of the entry that holds this prefix now, or None. If another block holds
+        the hash already (two requests computed the same prefix), the first stays the
+        one the index answers with, and its serial is returned if it is a true twin
+        (the same tokens after the same parent), None if it is a collision."""
+        if parent is None or (parent and self.serial(parent_hash) != parent):
+            return None                        # the parent is unknown, or evicted
         if hash_ not in self._block_of and block not in self._entry:
+            serial = next(self._serials)
             self._block_of[hash_] = block
-            self._entry[block] = Entry(hash_, tokens, next(self._serials), parent,
-                                       parent_hash)
+            self._entry[block] = Entry(hash_, tokens, serial, parent, parent_hash)
+            return serial
+        twin = self.lookup(hash_, tokens, parent)
+        return None if twin is None else twin[1]
 
     def audit(self) -> None:
         self.allocator.audit()
@@ -189,35 +206,68 @@ class PrefillPlan(NamedTuple):
     cached_tokens: int
 
 
+class Prompt(NamedTuple):
+    """Token ids checked once, with the chained hashes of their full blocks computed
+    once: :meth:`PrefixCachingManager.prompt` makes it, and ``add``, ``cached_prefix``
+    and ``blocks_to_add`` take it in place of the ids, so that an engine hashes a prompt
+    once however many times it asks about it."""
+    tokens: list
+    hashes: list
+    block_size: int
+
+    def head(self, n: int) -> "Prompt":
+        """The prompt's first ``n`` tokens (a chunk of its prefill), hashes included."""
+        return Prompt(self.tokens[:n], self.hashes[:n // self.block_size],
+                      self.block_size)
+
+
 class PrefixCachingManager(KVCacheManager):
     """A :class:`~pagedkv.manager.KVCacheManager` whose full blocks are cached by
     content. ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots
     will hold. With ``caching=False`` nothing is ever cached or found (the plain
     manager's behaviour)."""
 
+    allocator_type = CachedBlocks      # over a teaching BlockAllocator
+
     def __init__(self, allocator, block_size: int, *, caching: bool = True):
+        need_teaching_allocator(self, allocator)
         super().__init__(CachedBlocks(allocator), block_size)
         self.cache = self.allocator
         self.caching = bool(caching)
         self._tokens: dict = {}       # sequence id -> its token ids
         self._hashes: dict = {}       # sequence id -> hashes of its full blocks
+        self._serials: dict = {}      # sequence id -> for each full block, the serial
+        #                               of the entry holding its tokens so far, or None
 
-    def _find_prefix(self, tokens: list) -> tuple[list, list]:
-        """Cached blocks holding the leading full blocks of ``tokens``, and their
-        hashes, stopping at the first miss. At least the last token is left to compute:
-        it is the one whose logits are needed, so a prompt never hits a block that ends
-        the prompt."""
-        bs, blocks, hashes, parent = self.block_size, [], [], 0
+    def prompt(self, tokens) -> Prompt:
+        """``tokens`` checked and hashed, once, for the calls that take a prompt."""
+        bs = self.block_size
+        if isinstance(tokens, Prompt):
+            full = len(tokens.hashes) == len(tokens.tokens) // bs or not self.caching
+            if tokens.block_size == bs and full:
+                return tokens
+            tokens = tokens.tokens                 # (made for another block size)
+        tokens, hashes = token_ids(tokens), []
+        for j in range(len(tokens) // bs if self.caching else 0):
+            hashes.append(block_hash(hashes[-1] if j else 0,
+                                     tuple(tokens[j * bs:(j + 1) * bs])))
+        return Prompt(tokens, hashes, bs)
+
+    def _find_prefix(self, tokens) -> tuple[list, list]:
+        """Cached blocks holding the leading full blocks of a prompt (ids or a
+        :class:`Prompt`), and their serials, stopping at the first miss. At least the
+        last token is left to compute: it is the one whose logits are needed, so a
+        prompt never hits a block that ends the prompt."""
+        prompt = self.prompt(tokens)
+        bs, tokens, blocks, serials = self.block_size, prompt.tokens, [], []
         for j in range((len(tokens) - 1) // bs if self.caching else 0):
-            block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
-            hash_ = block_hash(hashes[-1] if hashes else 0, block_tokens)
-            hit = self.cache.lookup(hash_, block_tokens, parent)
+            own = tuple(tokens[j * bs:(j + 1) * bs])
+            hit = self.cache.lookup(prompt.hashes[j], own, serials[-1] if j else 0)
             if hit is None:
                 break
-            block, parent = hit
-            blocks.append(block)
-            hashes.append(hash_)
-        return blocks, hashes
+            blocks.append(hit[0])
+            serials.append(hit[1])
+        return blocks, serials
 
     def _blocks_to_add(self, tokens: list, hits: list) -> int:
         """Free blocks admitting ``tokens`` takes: fresh blocks for what the cache
@@ -227,21 +277,27 @@ class PrefixCachingManager(KVCacheManager):
         return fresh + sum(map(self.cache.is_idle, hits))
 
     def cached_prefix(self, tokens) -> int:
-        """How many leading tokens of a new sequence ``tokens`` the cache holds now (a
-        multiple of the block size, less than ``len(tokens)``). Changes nothing."""
-        return len(self._find_prefix(_token_list(tokens))[0]) * self.block_size
+        """How many leading tokens of a new sequence ``tokens`` (ids or a
+        :class:`Prompt`) the cache holds now (a multiple of the block size, less than
+        ``len(tokens)``). Changes nothing."""
+        return len(self._find_prefix(self.prompt(tokens))[0]) * self.block_size
 
     def blocks_to_add(self, tokens) -> int:
         """Free blocks ``add(seq, tokens)`` would take now. Changes nothing."""
-        tokens = _token_list(tokens)
-        return self._blocks_to_add(tokens, self._find_prefix(tokens)[0])
+        prompt = self.prompt(tokens)
+        return self._blocks_to_add(prompt.tokens, self._find_prefix(prompt)[0])
 
     def add(self, seq_id, tokens) -> PrefillPlan:
-        """Admit a prompt: its leading full blocks from the cache where they are there,
-        fresh blocks for the rest. All or nothing, as :meth:`KVCacheManager.add`."""
+        """Admit a prompt (token ids, or a :class:`Prompt`): its leading full blocks
+        from the cache where they are there, fresh blocks for the rest. All or nothing,
+        as :meth:`KVCacheManager.add`."""
         self._check_new(seq_id, "sequence")
-        tokens = _token_list(tokens)
-        hits, hashes = self._find_prefix(tokens)
+        prompt = self.prompt(tokens)
+        tokens = list(prompt.tokens)
+        if not tokens:
+            raise ConfigError("add needs at least one token (the last one's logits "
+                              "choose the next)")
+        hits, serials = self._find_prefix(prompt)
         need = self._blocks_to_add(tokens, hits)
         if need > self.cache.num_free:
             raise OutOfBlocks(need, self.cache.num_free, f"add {seq_id!r}")
@@ -249,16 +305,18 @@ class PrefixCachingManager(KVCacheManager):
             self.cache.take(b)
         table = self._tables[seq_id] = PageTable(self.block_size, hits,
                                                  len(hits) * self.block_size)
-        self._tokens[seq_id], self._hashes[seq_id] = tokens, hashes
+        self._tokens[seq_id], self._hashes[seq_id] = tokens, list(prompt.hashes)
+        self._serials[seq_id] = serials
         plan = self._grow(table, len(tokens) - table.num_tokens)
         self._cache_full_blocks(seq_id)
         return PrefillPlan(plan.slots, plan.copies, len(hits) * self.block_size)
 
     def append(self, seq_id, tokens) -> Plan:
-        tokens = _token_list(tokens)
-        plan = super().append(seq_id, len(tokens)) if tokens else None
-        if plan is None:
+        self._table(seq_id)                        # an unknown id is reported first
+        tokens = token_ids(tokens)
+        if not tokens:
             raise ConfigError("append needs at least one token")
+        plan = super().append(seq_id, len(tokens))
         self._tokens[seq_id] += tokens
         self._cache_full_blocks(seq_id)
         return plan
@@ -267,7 +325,9 @@ class PrefixCachingManager(KVCacheManager):
         """One decode step; ``tokens[i]`` is the token whose K/V goes into sequence
         ``i``'s new slot (the one sampled at the step before)."""
         ids = self.seq_ids if seq_ids is None else list(seq_ids)
-        tokens = _token_list(tokens)
+        for seq_id in ids:                         # an unknown id is reported first
+            self._table(seq_id)
+        tokens = token_ids(tokens)
         if len(tokens) != len(ids):
             raise ConfigError(f"step: one token per sequence, got {len(tokens)} "
                               f"token(s) for {len(ids)} sequence(s)")
@@ -285,21 +345,22 @@ class PrefixCachingManager(KVCacheManager):
         if not self.caching:
             return
         bs, tokens, hashes = self.block_size, self._tokens[seq_id], self._hashes[seq_id]
-        blocks = self._tables[seq_id].blocks
-        for j in range(len(hashes), len(tokens) // bs):
+        serials, blocks = self._serials[seq_id], self._tables[seq_id].blocks
+        for j in range(len(serials), len(tokens) // bs):
             block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
-            parent_hash = hashes[-1] if hashes else 0
-            hashes.append(block_hash(parent_hash, block_tokens))
-            parent = self.cache.serial(parent_hash) if j else 0
-            if parent is not None:                 # its parent is still cached
-                self.cache.insert(blocks[j], hashes[-1], block_tokens, parent,
-                                  parent_hash)
+            parent_hash = hashes[j - 1] if j else 0
+            if j == len(hashes):                   # (a prompt's came hashed already)
+                hashes.append(block_hash(parent_hash, block_tokens))
+            # its parent: the entry this sequence holds for the blocks before it
+            serials.append(self.cache.insert(blocks[j], hashes[j], block_tokens,
+                                             serials[-1] if j else 0, parent_hash))
 
     def fork(self, parent, *children) -> None:
         super().fork(parent, *children)
         for child in children:
             self._tokens[child] = list(self._tokens[parent])
             self._hashes[child] = list(self._hashes[parent])
+            self._serials[child] = list(self._serials[parent])
 
     def free(self, seq_id) -> None:
         """Release the sequence's blocks, the last one first: a cached block can only be
@@ -307,6 +368,7 @@ class PrefixCachingManager(KVCacheManager):
         head."""
         self.cache.free_n(self._table(seq_id).blocks[::-1])
         del self._tables[seq_id], self._tokens[seq_id], self._hashes[seq_id]
+        del self._serials[seq_id]
 
     def audit(self) -> None:
         """The manager's and the cache's invariants, and: each sequence holds K/V for as
@@ -331,12 +393,3 @@ class PrefixCachingManager(KVCacheManager):
         self._table(seq_id)
         return list(self._tokens[seq_id])
 
-
-def _token_list(tokens) -> list:
-    """Token ids as a list of Python ints; anything but non-negative integers is an
-    error."""
-    ids = np.asarray([] if tokens is None else tokens)
-    if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0)):
-        raise ConfigError(f"token ids must be a list of non-negative integers, "
-                          f"got {tokens!r}")
-    return ids.tolist()

@@ -68,7 +68,7 @@ def check_preempt_longest(impl=preempt_longest, seed=4, trials=300):
     print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
-        batch, queue = sim.Batch(), sim.Queue([])
+        batch, queue = sim.Running(), sim.Queue([])
         reqs = [sim.Request(rid, 0, 1, 50) for rid in range(rng.randrange(1, 9))]
         for r in reqs:
             batch.add(r, rng.randrange(1, 8))        # few lengths: ties happen

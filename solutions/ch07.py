@@ -101,7 +101,7 @@ def check_count_copies(impl=count_copies, seed=6, trials=200):
     for n, prompt in [(4, 10), (4, 12), (1, 5)]:          # parallel sampling: n - 1 copies
         schedule = [[0] * n] + [list(range(n))] * 9      # once, if the prompt's block is partial
         assert impl(prompt, 4, schedule) == (n - 1) * (prompt % 4 != 0)
-    kv = sim.PagedKV(96 * sim.SIM_SPEC.block_bytes(4), 4, write=False)
+    kv = sim.CheckedKV(96 * sim.SIM_SPEC.block_bytes(4), 4, write=False)
     sim.beam_search(kv, 0, 10, 30, 4, np.random.default_rng(0))
     schedule = beam_schedule(0, 30, 4)
     assert impl(10, 4, schedule) == kv.copies, (impl(10, 4, schedule), kv.copies)
@@ -115,7 +115,7 @@ def check_parallel_blocks(impl=parallel_blocks, seed=8, trials=300):
     for _ in range(trials):
         prompt, output = rng.randrange(1, 60), rng.randrange(1, 60)
         n, bs = rng.randrange(1, 7), rng.choice([1, 2, 4, 16])
-        kv = sim.PagedKV(4096 * sim.SIM_SPEC.block_bytes(bs), bs, write=False)
+        kv = sim.CheckedKV(4096 * sim.SIM_SPEC.block_bytes(bs), bs, write=False)
         want = sim.parallel_sampling(kv, 0, prompt, output, n)
         assert tuple(impl(prompt, output, n, bs)) == want, (prompt, output, n, bs, want)
     return {"seed": seed, "trials": trials}

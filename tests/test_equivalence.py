@@ -67,6 +67,7 @@ class Twins:
 def same_allocators(t, f, where):
     assert f.free_blocks() == t.free_blocks(), where
     assert f.refcounts().tolist() == t.refcounts().tolist(), where
+    assert f.num_shared == t.num_shared == int((t.refcounts() > 1).sum()), where
     assert f.num_used == t.num_used, where
     if t.closed:                               # a closed pool has no free blocks to count
         for a in (t, f):
@@ -146,6 +147,7 @@ def same_managers(t, f, where):
     assert f.stats() == t.stats(), where
     assert f.allocator.free_blocks() == t.allocator.free_blocks(), where
     assert f.allocator.refcounts().tolist() == t.allocator.refcounts().tolist(), where
+    assert f.allocator.num_shared == t.allocator.num_shared == f.stats().shared_blocks, where
 
 
 def make_twins(seed, num_blocks, block_size, small_batch):

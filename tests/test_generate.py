@@ -11,7 +11,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.generate import main
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
-from pagedkv.model.generate import Engine, SamplingParams, beam_select
+from pagedkv.model.generate import Engine, SamplingParams, Sequence, beam_select, best_beams
 from pagedkv.model.reference import reference_generate
 
 single_thread_blas()
@@ -163,6 +163,51 @@ def test_beam_select_ranks_and_ends():
     cont, ended = beam_select(scores, np.array([[-0.1, -0.2], [-9, -9]]), np.array([[0, 5], [1, 2]]),
                               2, {0})
     assert ended == [(0, 0, -0.1)] and cont[0] == (0, 5, -0.2)
+
+
+def test_best_beams_ranks_by_log_probability_per_token():
+    """Hand-made hypotheses (prompt of 2 tokens): per generated token, -0.5, -0.4, -0.6,
+    -0.45 and -0.4 again (a tie, broken by the generated tokens)."""
+    seqs = [Sequence(1, [9, 9, 1, 2], 2, score=-1.0),        # -0.5 a token
+            Sequence(2, [9, 9, 3], 2, score=-0.4),           # -0.4
+            Sequence(3, [9, 9, 4, 5, 6], 2, score=-1.8),     # -0.6
+            Sequence(4, [9, 9, 7, 8], 2, score=-0.9),        # -0.45
+            Sequence(5, [9, 9, 2, 2, 2, 2, 2], 2, score=-2.0)]   # -0.4: [2, ...] < [3]
+    ranked = best_beams(seqs, 5)
+    assert [s.seq_id for s in ranked] == [5, 2, 4, 1, 3]     # best first
+    assert [s.seq_id for s in best_beams(seqs, 2)] == [5, 2]  # more finished than k: cut
+    assert best_beams(seqs[:1], 3) == seqs[:1]
+
+
+def _first_new(tokens):
+    """(position, id) of the first generated id, after the first, not seen before it."""
+    for i, t in enumerate(tokens):
+        if i >= 1 and t not in tokens[:i]:
+            return i, t
+    raise AssertionError(f"no new id in {tokens}")
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "beam4"])
+def test_stops_on_an_id_the_model_emits(tiny, kind):
+    """The tiny random model never emits the tests' stop id 0 in these runs; here the
+    stop id is one it really emits (found by a run without one): the answer must end
+    right there, on the engine and on the reference alike."""
+    params, prompt = PARAMS[kind], _prompts(SEED)[1]
+    free = Engine(tiny, num_blocks=300, block_size=4, stop_ids=())
+    (req,) = free.generate([prompt], params)
+    best = req.outputs()[0].generated
+    i, stop = _first_new(best)
+    engine = Engine(tiny, num_blocks=300, block_size=4, stop_ids=(stop,), audit=True)
+    (req,) = engine.generate([prompt], params)
+    got = _answers(req)
+    _same(got, [(s.generated, s.score) for s in reference_generate(tiny, prompt, params,
+                                                                   (stop,))])
+    if kind == "beam4":
+        assert any(g[-1] == stop for g, _ in got)
+        assert all(stop not in g[:-1] for g, _ in got)        # none goes past a stop
+    else:
+        assert got[0][0] == best[:i + 1]                     # the same draws, cut at stop
+    assert engine.manager.allocator.num_free == 300
 
 
 # ---------------------------------------------------------------------- the CLI

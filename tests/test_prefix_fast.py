@@ -67,6 +67,7 @@ def same_state(t, f, where):
         assert t.block_table(s).tolist() == f.block_table(s).tolist(), f"{where}: {s}"
         assert t.tokens(s) == f.tokens(s), f"{where}: {s}"
     assert t.stats() == f.stats(), where
+    assert ct.num_shared == cf.num_shared == t.stats().shared_blocks, where
     t.audit()
     f.audit()
 

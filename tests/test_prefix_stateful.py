@@ -4,7 +4,10 @@ manager's, which checks the cache index, and the swapper's) after every step.
 
 The model knows nothing of hashes, serial numbers or block ids. Its cache is a dict from a
 *whole prefix* (every token from the start of the sequence to the end of a block) to an entry
-that remembers the entry before it; its blocks are plain Python objects with an owner count;
+that remembers the entry before it; each sequence keeps its *chain*, the entry that holds its
+tokens up to each of its full blocks (the one it hit, cached, or found cached as an equal
+twin), and a block is cached only as the child of its sequence's chain entry, if that entry
+is still cached; its blocks are plain Python objects with an owner count;
 its idle blocks are a list in least-recently-freed order; its free stack is a count. From that
 it predicts how many tokens every admission finds cached, when an operation must run out of
 blocks (device or host), how many blocks are free, hit and evicted, and which blocks are idle.
@@ -80,6 +83,7 @@ class PrefixMachine(RuleBasedStateMachine):
         # the model
         self.tokens: dict = {}           # live sequence -> its tokens
         self.blocks: dict = {}           # live sequence -> its model blocks
+        self.chain: dict = {}            # live sequence -> its chain of entries (or None)
         self.index: dict = {}            # whole prefix -> Entry
         self.idle: list = []             # cached blocks nobody holds, least recent first
         self.stack = NUM_BLOCKS          # blocks on the allocator's free stack
@@ -122,16 +126,20 @@ class PrefixMachine(RuleBasedStateMachine):
             parent = e
         return hits
 
-    def cache_full(self, s, first):
-        """Cache the sequence's full blocks from block ``first`` on, as the manager would."""
-        toks, bl = self.tokens[s], self.blocks[s]
-        for j in range(first, len(toks) // BLOCK_SIZE):
+    def cache_full(self, s):
+        """Cache the sequence's full blocks not named yet, as the manager would."""
+        toks, bl, chain = self.tokens[s], self.blocks[s], self.chain[s]
+        for j in range(len(chain), len(toks) // BLOCK_SIZE):
             key = tuple(toks[:(j + 1) * BLOCK_SIZE])
-            parent = self.index.get(key[:-BLOCK_SIZE]) if j else None
-            if j and parent is None:
-                continue
-            if key not in self.index and bl[j].entry is None:
+            parent = chain[-1] if j else None
+            if j and (parent is None or self.index.get(parent.key) is not parent):
+                chain.append(None)              # unknown, or evicted since
+            elif key not in self.index and bl[j].entry is None:
                 bl[j].entry = self.index[key] = Entry(key, parent, bl[j])
+                chain.append(bl[j].entry)
+            else:                               # an equal twin holds it already
+                twin = self.index.get(key)
+                chain.append(twin if twin is not None and twin.parent is parent else None)
 
     def model_add(self, s, tokens):
         """Returns the model's cached token count, or None if it must run out of blocks."""
@@ -147,12 +155,14 @@ class PrefixMachine(RuleBasedStateMachine):
         self.tokens[s] = list(tokens)
         self.blocks[s] = hits + [self.fresh() for _ in range(-(-len(tokens) // BLOCK_SIZE)
                                                              - len(hits))]
-        self.cache_full(s, len(hits))
+        self.chain[s] = [h.entry for h in hits]
+        self.cache_full(s)
         return len(hits) * BLOCK_SIZE
 
     def model_free(self, s):
         for b in reversed(self.blocks.pop(s)):
             self.release(b)
+        del self.chain[s]
         return self.tokens.pop(s)
 
     # ---------------------------------------------------------------- executing plans
@@ -237,7 +247,7 @@ class PrefixMachine(RuleBasedStateMachine):
         for s, t in zip(batch, new):          # then each row caches what it filled
             self.tokens[s].append(t)
             if len(self.tokens[s]) % BLOCK_SIZE == 0:
-                self.cache_full(s, len(self.tokens[s]) // BLOCK_SIZE - 1)
+                self.cache_full(s)
         for src, dst in plan.copies.tolist():
             self.pool[0, dst] = self.pool[0, src]
         for s, slot in zip(plan.seq_ids, plan.slot_mapping.tolist()):
@@ -252,6 +262,7 @@ class PrefixMachine(RuleBasedStateMachine):
         c = next(self.ids)
         self.m.fork(s, c)
         self.tokens[c], self.blocks[c] = list(self.tokens[s]), list(self.blocks[s])
+        self.chain[c] = list(self.chain[s])
         for b in self.blocks[c]:
             b.owners += 1
         return c

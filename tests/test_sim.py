@@ -229,7 +229,7 @@ def test_token_values_distinguish_writers_and_positions():
 
 
 def test_beam_search_copies_and_verifies_every_beam():
-    kv = sim.PagedKV(64 * 4 * TB, 4, write=True)
+    kv = sim.CheckedKV(64 * 4 * TB, 4, write=True)
     seen = []
     used, unshared = sim.beam_search(kv, 0, 6, 12, 4, np.random.default_rng(SEED),
                                      on_step=lambda kv: seen.append(kv.allocator.num_used))
@@ -243,8 +243,8 @@ def test_beam_search_copies_and_verifies_every_beam():
 
 def test_verification_catches_a_skipped_copy(monkeypatch):
     # Without the copy-on-write copies, a forked beam's shared prefix in its new block is garbage.
-    monkeypatch.setattr(sim.PagedKV, "_copy", lambda self, pairs: None)
-    kv = sim.PagedKV(64 * 4 * TB, 4, write=True)
+    monkeypatch.setattr(sim.CheckedKV, "_copy", lambda self, pairs: None)
+    kv = sim.CheckedKV(64 * 4 * TB, 4, write=True)
     kv.cache[...] = 0
     sim.parallel_sampling(kv, 0, 6, 3, 2)
     assert kv.corrupted > 0
@@ -253,12 +253,12 @@ def test_verification_catches_a_skipped_copy(monkeypatch):
 def test_parallel_sampling_saving_by_hand():
     # Prompt 8 = 2 full blocks of 4, shared by both samples; each then writes 4 tokens into its
     # own third block: 4 blocks in use instead of 6, at each of the 4 steps.
-    kv = sim.PagedKV(16 * 4 * TB, 4, write=True)
+    kv = sim.CheckedKV(16 * 4 * TB, 4, write=True)
     used, unshared = sim.parallel_sampling(kv, 0, 8, 4, 2)
     assert (used, unshared) == (16, 24)
     assert kv.copies == 0 and kv.corrupted == 0
     # A prompt of 6 leaves a shared, half-filled block: each sample's first write copies it.
-    kv = sim.PagedKV(16 * 4 * TB, 4, write=True)
+    kv = sim.CheckedKV(16 * 4 * TB, 4, write=True)
     assert sim.parallel_sampling(kv, 0, 6, 2, 3) == (2 * 4, 2 * 6)
     assert kv.copies == 2 and kv.corrupted == 0   # two of the three copy; the last owns it
 
@@ -293,7 +293,7 @@ def test_fast_bookkeeping_serves_the_same_run():
 
 def test_unknown_bookkeeping_is_refused():
     with pytest.raises(ConfigError, match="bookkeeping"):
-        sim.PagedKV(1 << 20, 16, bookkeeping="quick")
+        sim.CheckedKV(1 << 20, 16, bookkeeping="quick")
 
 
 # ------------------------------------------------------------------ workloads
@@ -326,7 +326,7 @@ def test_memory_needed_grows_with_the_requests():
 # ------------------------------------------------------------------ bad configurations
 
 @pytest.mark.parametrize("call", [
-    lambda: sim.PagedKV(100, 16),                                    # pool smaller than a block
+    lambda: sim.CheckedKV(100, 16),                                    # pool smaller than a block
     lambda: sim.simulate(pool_bytes=4096),                           # ... via simulate
     lambda: sim.simulate(max_seqs=0),                                # zero sequences
     lambda: sim.simulate(n=0),                                       # zero requests

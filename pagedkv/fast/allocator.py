@@ -305,6 +305,12 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - self._top - len(self._hot)
 
+    @property
+    def num_shared(self) -> int:
+        """Blocks with more than one owner (a solo block has one): one NumPy pass over
+        the counts here, where the teaching allocator keeps a counter."""
+        return int(np.count_nonzero(self._ref > 1))
+
     def audit(self) -> None:
         """Check the invariants; raise :class:`AuditError` naming the first one broken."""
         self._check_open()

@@ -52,8 +52,11 @@ class KVCacheManager(StepMixin):
     def __init__(self, allocator: BlockAllocator, block_size: int, *, max_seqs: int = 64,
                  max_seq_len: int = 64):
         if not isinstance(allocator, BlockAllocator):
-            raise ConfigError(f"the fast manager needs a pagedkv.fast.BlockAllocator, got "
-                              f"{type(allocator).__module__}.{type(allocator).__name__}")
+            raise ConfigError(f"the fast {type(self).__name__} needs a "
+                              f"pagedkv.fast.BlockAllocator, got a "
+                              f"{type(allocator).__module__}.{type(allocator).__qualname__} "
+                              f"(the teaching allocator goes with the teaching managers of "
+                              f"pagedkv.manager and pagedkv.prefix_cache)")
         self.block_size = bs = positive_int(block_size, "block_size")
         if allocator.block_bytes % bs:
             raise ConfigError(f"a block of {allocator.block_bytes} bytes does not hold a "

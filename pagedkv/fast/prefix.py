@@ -24,16 +24,15 @@ import functools
 import struct
 from collections import Counter
 from operator import itemgetter
-from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
-from ..checks import cdiv
+from ..checks import bad_token_ids, cdiv
 from ..errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
 from ..manager import Plan
 from .. import prefix_cache
-from ..prefix_cache import PrefillPlan
+from ..prefix_cache import PrefillPlan, Prompt
 from .allocator import BlockAllocator
 from .manager import KVCacheManager
 
@@ -44,44 +43,41 @@ _NO_BLOCKS = np.zeros(0, dtype=np.int32)
 _TOKENS, _SERIAL, _PARENT = itemgetter(1), itemgetter(2), itemgetter(3)   # Entry fields
 
 
-class Entry(NamedTuple):
-    hash: int
-    tokens: bytes        # the block's own tokens, as int64 bytes (what its hash hashed)
-    serial: int
-    parent: int
-    parent_hash: int
-
-
 @functools.lru_cache(maxsize=64)
 def _int64s(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q")
 
 
 def _token_array(tokens) -> np.ndarray:
-    """Token ids as a 1-D int64 array; anything but non-negative integers is an error. A
-    list is packed by ``struct`` (one compiled format per length), which refuses floats and
-    strings as NumPy would and takes about a third of NumPy's time for 2,048 ids."""
-    if type(tokens) is list:
+    """Token ids as a 1-D int64 array, by the rule of :func:`pagedkv.checks.token_ids`
+    (the teaching path's). A list or tuple is packed by ``struct`` (one compiled format
+    per length, about a third of NumPy's time for 2,048 ids), which refuses floats,
+    ``None``, strings, NumPy bools and ids outside int64 as the rule does; Python bools,
+    which it packs as 0 and 1, are looked for only where an id is 0 or 1."""
+    ids = None
+    if isinstance(tokens, (list, tuple)):
         try:
             ids = np.frombuffer(_int64s(len(tokens)).pack(*tokens), dtype="<i8")
         except struct.error:
-            ids = None
-    else:
-        ids = np.asarray([] if tokens is None else tokens)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            ids = None
+            pass
+        else:
+            small = np.flatnonzero(ids <= 1).tolist()
+            if small and any(type(tokens[i]) is bool for i in small):
+                ids = None
+    elif isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
+        if not (tokens.dtype.kind == "u" and tokens.size and tokens.max() >= 2**63):
+            ids = tokens.astype(np.int64)         # (a copy: the caller keeps theirs)
     if ids is None or (ids.size and ids.min() < 0):
-        raise ConfigError(f"token ids must be a list of non-negative integers, "
-                          f"got {tokens!r}")
-    return ids.astype(np.int64, copy=False)
+        raise bad_token_ids(tokens)
+    return ids
 
 
 class CachedBlocks(prefix_cache.CachedBlocks):
     """The fast allocator's calls (one block, and the manager's batched ones), keeping
     full blocks cached after their last owner leaves, as
-    :class:`pagedkv.prefix_cache.CachedBlocks` does (whose state, counts and lookups of
-    idle blocks and serials this keeps). Idle blocks keep their one owner in the
-    allocator."""
+    :class:`pagedkv.prefix_cache.CachedBlocks` does (whose state, counts, lookups and
+    inserts this keeps; an entry's tokens are its int64 bytes here, what its hash
+    hashed). Idle blocks keep their one owner in the allocator."""
 
     def _counts(self, ids: np.ndarray) -> np.ndarray:
         counts = self.allocator._counts(ids)
@@ -158,13 +154,6 @@ class CachedBlocks(prefix_cache.CachedBlocks):
             self._drop_owners(np.array([b]))
 
     # -------------------------------------------------------------- the cache
-    def insert(self, block: int, hash_: int, tokens: bytes, parent: int,
-               parent_hash: int) -> None:
-        if hash_ not in self._block_of and block not in self._entry:
-            self._block_of[hash_] = block
-            self._entry[block] = Entry(hash_, tokens, next(self._serials), parent,
-                                       parent_hash)
-
     def take(self, blocks: list) -> None:
         """One more owner for each found block; idle ones leave the idle list."""
         pop = self._idle.pop                   # an idle block's value is None: so this both
@@ -200,6 +189,8 @@ class PrefixCachingManager(KVCacheManager):
         self.caching = bool(caching)
         self._tokens: dict = {}       # sequence id -> its token ids (a list)
         self._hashes: dict = {}       # sequence id -> hashes of its full blocks, in order
+        self._serials: dict = {}      # sequence id -> serials of its chain (the teaching
+        #                               manager's: an entry's, or None, per full block)
 
     # -------------------------------------------------------------- finding a prefix
     def _chain(self, data, full: int) -> list[int]:
@@ -211,16 +202,34 @@ class PrefixCachingManager(KVCacheManager):
             append(h)
         return out
 
-    def _find_prefix(self, ids: np.ndarray):
+    def _prompt_ids(self, tokens):
+        """(int64 ids, the hashes of their full blocks or None) from token ids or a
+        :class:`~pagedkv.prefix_cache.Prompt` (whose hashes are used if they fit)."""
+        if isinstance(tokens, Prompt):
+            full = len(tokens.hashes) == len(tokens.tokens) // self.block_size
+            fits = tokens.block_size == self.block_size and full
+            return _token_array(tokens.tokens), tokens.hashes if fits else None
+        return _token_array(tokens), None
+
+    def prompt(self, tokens) -> Prompt:
+        """``tokens`` checked and hashed, once (the teaching ``prompt``)."""
+        ids, hashes = self._prompt_ids(tokens)
+        if hashes is None:
+            hashes = self._chain(memoryview(ids).cast("B"), len(ids) // self.block_size) \
+                if self.caching else []
+        return Prompt(ids.tolist(), list(hashes), self.block_size)
+
+    def _find_prefix(self, ids: np.ndarray, hashes=None):
         """(cached blocks of the leading full blocks of ``ids``, the hashes of all its
         full blocks, its bytes), stopping at the first miss, never at the block of the
-        last token. Each full block is hashed once, here, for the lookup and for naming
-        it later."""
+        last token. Each full block is hashed once, here (unless ``hashes`` came with a
+        prompt), for the lookup and for naming it later."""
         if not self.caching:
             return [], [], None
         bs = self.block_size
         data = memoryview(ids).cast("B")
-        hashes = self._chain(data, len(ids) // bs)
+        if hashes is None:
+            hashes = self._chain(data, len(ids) // bs)
         blocks = list(map(self.cache._block_of.get, hashes[:(len(ids) - 1) // bs]))
         if None in blocks:
             blocks = blocks[:blocks.index(None)]
@@ -243,19 +252,22 @@ class PrefixCachingManager(KVCacheManager):
         return len(entries)
 
     def cached_prefix(self, tokens) -> int:
-        return len(self._find_prefix(_token_array(tokens))[0]) * self.block_size
+        return len(self._find_prefix(*self._prompt_ids(tokens))[0]) * self.block_size
 
     def blocks_to_add(self, tokens) -> int:
-        ids = _token_array(tokens)
-        hits = self._find_prefix(ids)[0]
+        ids, hashes = self._prompt_ids(tokens)
+        hits = self._find_prefix(ids, hashes)[0]
         idle = self.cache._idle
         return cdiv(len(ids), self.block_size) - len(hits) + sum(map(idle.__contains__, hits))
 
     # -------------------------------------------------------------- growing
     def add(self, seq_id, tokens) -> PrefillPlan:
         self._check_new(seq_id, "sequence")
-        ids = _token_array(tokens)
-        hits, hashes, data = self._find_prefix(ids)
+        ids, hashes = self._prompt_ids(tokens)
+        if not len(ids):
+            raise ConfigError("add needs at least one token (the last one's logits choose "
+                              "the next)")
+        hits, hashes, data = self._find_prefix(ids, hashes)
         n, bs, cache = len(hits), self.block_size, self.cache
         fresh = cdiv(len(ids), bs) - n
         need = fresh + sum(map(cache._idle.__contains__, hits))
@@ -269,38 +281,41 @@ class PrefixCachingManager(KVCacheManager):
         self._grow_cols(n)
         self._tables[row, :n] = hits
         self._lens[row] = n * bs
-        self._tokens[seq_id] = list(tokens) if type(tokens) is list else ids  # (see _ids_of)
-        self._hashes[seq_id] = hashes
+        self._tokens[seq_id] = ids                 # a list when it grows (see _ids_of)
+        self._hashes[seq_id] = list(hashes)
+        self._serials[seq_id] = [cache._entry[b].serial for b in hits]
         plan = self._grow(row, len(ids) - n * bs, fresh, -1) if fresh else self._empty_plan()
         if self.caching:                        # name the new full blocks, in order
-            self._name(self._tables[row], hashes, n, data)
+            self._name(self._tables[row], seq_id, n, data)
         return PrefillPlan(plan.slots, plan.copies, n * bs)
 
-    def _name(self, table, hashes, first: int, data) -> None:
-        """Insert blocks ``first ..`` of a row into the cache, under their hashes: a
-        block whose parent is no longer cached is not named."""
+    def _name(self, table, seq_id, first: int, data) -> None:
+        """Insert blocks ``first ..`` of a row into the cache, under their hashes, each
+        the child of the entry the sequence holds for the blocks before it (the teaching
+        ``_cache_full_blocks``' rule)."""
         bs8, cache = 8 * self.block_size, self.cache
+        hashes, serials = self._hashes[seq_id], self._serials[seq_id]
         for j in range(first, len(hashes)):
-            parent_hash = hashes[j - 1] if j else 0
-            parent = cache.serial(parent_hash) if j else 0
-            if parent is not None:
-                cache.insert(int(table[j]), hashes[j], bytes(data[j * bs8:(j + 1) * bs8]),
-                             parent, parent_hash)
+            serials.append(cache.insert(int(table[j]), hashes[j],
+                                        bytes(data[j * bs8:(j + 1) * bs8]),
+                                        serials[j - 1] if j else 0,
+                                        hashes[j - 1] if j else 0))
 
     @staticmethod
     def _empty_plan() -> Plan:
         return Plan(_NO_BLOCKS.copy(), np.zeros((0, 2), dtype=np.int32))
 
     def _ids_of(self, seq_id) -> list:
-        """The sequence's token ids as a list. A prompt given as an array is kept as one
-        until the sequence grows (its list costs microseconds that an admission need not
-        pay)."""
+        """The sequence's token ids as a list of Python ints. A prompt is kept as its
+        array until the sequence grows (its list costs microseconds that an admission
+        need not pay)."""
         tokens = self._tokens[seq_id]
         if type(tokens) is not list:
             tokens = self._tokens[seq_id] = tokens.tolist()
         return tokens
 
     def append(self, seq_id, tokens):
+        self._row(seq_id)                          # an unknown id is reported first
         ids = _token_array(tokens)
         if not len(ids):
             raise ConfigError("append needs at least one token")
@@ -311,10 +326,15 @@ class PrefixCachingManager(KVCacheManager):
 
     def step(self, seq_ids=None, tokens=None):
         ids = self.seq_ids if seq_ids is None else list(seq_ids)
-        new = _token_array(tokens).tolist()
-        if len(new) != len(ids):
-            raise ConfigError(f"step: one token per sequence, got {len(new)} token(s) "
-                              f"for {len(ids)} sequence(s)")
+        try:
+            new = _token_array(tokens).tolist()
+            if len(new) != len(ids):
+                raise ConfigError(f"step: one token per sequence, got {len(new)} "
+                                  f"token(s) for {len(ids)} sequence(s)")
+        except ConfigError:
+            for seq_id in ids:                     # an unknown id is reported first
+                self._row(seq_id)
+            raise
         plan = super().step(ids)
         bs, ids_of = self.block_size, self._ids_of
         for seq_id, token in zip(ids, new):
@@ -337,7 +357,7 @@ class PrefixCachingManager(KVCacheManager):
         for start in range(first * 8 * bs, full * 8 * bs, 8 * bs):
             h = _hash(data[start:start + 8 * bs], h)
             hashes.append(h)
-        self._name(self._tables[self._row_of[seq_id]], hashes, first, data)
+        self._name(self._tables[self._row_of[seq_id]], seq_id, first, data)
 
     # -------------------------------------------------------------- forking and freeing
     def fork(self, parent, *children) -> None:
@@ -345,6 +365,7 @@ class PrefixCachingManager(KVCacheManager):
         for child in children:
             self._tokens[child] = list(self._ids_of(parent))
             self._hashes[child] = list(self._hashes[parent])
+            self._serials[child] = list(self._serials[parent])
 
     def free(self, seq_id) -> None:
         """Release the sequence's blocks, the last one first (see the teaching manager).
@@ -352,7 +373,7 @@ class PrefixCachingManager(KVCacheManager):
         blocks = self._blocks(self._row(seq_id))
         blocks[:] = blocks[::-1].copy()            # the row is dropped next: only the order
         super().free(seq_id)                        # in which its blocks are given back moves
-        del self._tokens[seq_id], self._hashes[seq_id]
+        del self._tokens[seq_id], self._hashes[seq_id], self._serials[seq_id]
 
     def audit(self) -> None:
         super().audit()

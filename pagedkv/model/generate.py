@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import backend
-from ..checks import is_int, positive_int
+from ..checks import cdiv, is_int, positive_int, token_ids
 from ..errors import ConfigError
 from ..prefix_cache import PrefixCachingManager
 from .llama import Batch, Llama, PagedKV
 from .runner import FastRunner, ModelRunner
-from .scheduling import Counts, Scheduling
+from .scheduling import Counts, Scheduling, prefill_prompt
 
 __all__ = ["SamplingParams", "Sequence", "Request", "Engine", "sample", "log_softmax_topk",
            "beam_select", "best_beams"]
@@ -81,6 +81,7 @@ class Sequence:
     prompt_len: int
     score: float = 0.0    # sum of the log-probabilities of the generated tokens (beam search)
     parent: int | None = None  # the sequence this one was forked from
+    prefill: object = field(default=None, repr=False)  # its tokens to prefill, hashed once
 
     @property
     def generated(self) -> list:
@@ -99,6 +100,7 @@ class Request:
     rng: np.random.Generator
     live: list = field(default_factory=list)      # sequences still decoding
     finished: list = field(default_factory=list)  # completed samples or beam hypotheses
+    hashed: object = field(default=None, repr=False)  # the prompt, checked and hashed
 
     @property
     def done(self) -> bool:
@@ -184,7 +186,13 @@ class Engine(Scheduling):
     ``max_context`` tokens (default: the model's context); ``"fast-eager"`` the same kernels
     without graphs. ``bookkeeping`` is ``"teaching"`` (the core the chapters show) or
     ``"fast"`` (:mod:`pagedkv.fast`: the same plans, batched in NumPy).
+
+    ``history`` holds what the pool held after each of the last ``history_steps`` steps,
+    read from counters (O(batch) a step, never a pass over the pool); ``on_step`` sees
+    every step.
     """
+
+    history_steps = 10_000
 
     def __init__(self, model: Llama, *, num_blocks: int, block_size: int = 16,
                  max_seqs: int = 64, stop_ids=(), prefill_chunk: int = 512,
@@ -227,7 +235,7 @@ class Engine(Scheduling):
         self.finished: list = []
         self.counts = Counts()
         self._ids = itertools.count()
-        self.history: list = []          # one dict per step: what the pool held
+        self.history = deque(maxlen=self.history_steps)  # a dict per step: the pool
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt, params: SamplingParams | None = None) -> Request:
@@ -235,7 +243,7 @@ class Engine(Scheduling):
         that is empty, holds ids outside the vocabulary, is longer than the model's context
         with its new tokens, or could never run (admission answers "never": the reason)."""
         params = params or SamplingParams()
-        prompt = [int(t) for t in prompt]
+        prompt = token_ids(prompt)
         vocab, context = self.model.config.vocab_size, self.runner.max_tokens
         whose = "model's" if context == self.model.config.context else "runner's max"
         if not prompt:
@@ -246,6 +254,7 @@ class Engine(Scheduling):
             raise ConfigError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones "
                               f"exceed the {whose} context of {context} tokens")
         req = Request(next(self._ids), prompt, params, np.random.default_rng(params.seed))
+        req.hashed = self.manager.prompt(prompt)     # hashed once, used until it is added
         answer, why = self.admission(req)
         if answer == "never":
             raise ConfigError(f"refused: {why}")
@@ -297,6 +306,7 @@ class Engine(Scheduling):
             self.waiting.popleft()
             if not req.live:                           # new (not back from a preemption)
                 req.live.append(self._new_seq(req.prompt, len(req.prompt)))
+                req.live[0].prefill = req.hashed
             self.running.append(req)
             admitted.append(req)
         self.prefill(admitted)
@@ -334,9 +344,11 @@ class Engine(Scheduling):
             n = min(target - start, budget)
             plan = m.append(seq.seq_id, seq.tokens[start:start + n])
         else:
-            start = m.cached_prefix(seq.tokens[:target])
+            prompt = prefill_prompt(m, seq).head(target)
+            start = m.cached_prefix(prompt)
             n = min(target - start, budget)
-            plan = m.add(seq.seq_id, seq.tokens[:start + n])
+            plan = m.add(seq.seq_id, prompt.head(start + n))
+            seq.prefill = None
             self.counts.prompt_tokens += start
             if seq.generated:
                 self.counts.refound_tokens += start
@@ -466,12 +478,18 @@ class Engine(Scheduling):
 
     # ------------------------------------------------------------------ accounting
     def _record(self) -> None:
-        s = self.manager.stats()
+        """What the pool holds, from the allocator's counters and one pass over the live
+        sequences (a sequence of n tokens maps ceil(n / block_size) blocks, so the blocks
+        sharing saves are the mapped ones less the used ones)."""
+        m, alloc = self.manager, self.manager.allocator
+        lengths = [m.num_tokens(s) for s in m.seq_ids]
+        mapped = sum(cdiv(n, self.block_size) for n in lengths)
         self.history.append(dict(
-            used_blocks=s.used_blocks, shared_blocks=s.shared_blocks,
-            blocks_saved=s.blocks_saved_by_sharing, sequences=s.sequences, tokens=s.tokens,
-            copies=self.kv.copies_done, running=len(self.running), waiting=len(self.waiting),
-            swapped=len(self.swapped), preemptions=self.counts.preemptions))
+            used_blocks=alloc.num_used, shared_blocks=alloc.num_shared,
+            blocks_saved=mapped - alloc.num_used, sequences=len(lengths),
+            tokens=sum(lengths), copies=self.kv.copies_done, running=len(self.running),
+            waiting=len(self.waiting), swapped=len(self.swapped),
+            preemptions=self.counts.preemptions))
 
     # ------------------------------------------------------------------ cancelling
     def cancel(self, req: Request) -> bool:

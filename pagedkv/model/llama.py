@@ -24,7 +24,6 @@ import numpy as np
 from .. import backend
 from ..allocator import BlockAllocator
 from ..checks import cdiv
-from ..errors import ConfigError
 from ..kernels import copy_blocks, paged_decode_attention, write_kv
 from ..manager import KVCacheManager
 from .gguf import LlamaConfig
@@ -264,13 +263,3 @@ def forward(model: Llama, kv: PagedKV, batch: Batch):
     last = np.cumsum(batch.query_lens) - 1                    # each sequence's last new token
     return model.logits(x[xp.asarray(last)])
 
-
-def check_batch(model: Llama, kv: PagedKV, batch: Batch) -> None:
-    """Shapes and ranges a :class:`Batch` must have (cheap host checks)."""
-    t = len(batch.tokens)
-    if not (len(batch.positions) == len(batch.slots) == t == int(batch.query_lens.sum())):
-        raise ConfigError("tokens, positions and slots must have sum(query_lens) entries")
-    if t and (batch.tokens.min() < 0 or batch.tokens.max() >= model.config.vocab_size):
-        raise ConfigError(f"token ids must lie in [0, {model.config.vocab_size})")
-    if t and batch.positions.max() >= model.config.context:
-        raise ConfigError(f"positions must be below the context of {model.config.context}")

@@ -70,50 +70,111 @@ def reference_forward(model: Llama, cache: ContiguousCache, tokens) -> np.ndarra
     return model.logits(x)
 
 
+class RefSeq:
+    """One sequence of the oracle: its tokens (prompt first), score and cache."""
+
+    def __init__(self, tokens, prompt_len: int, score: float = 0.0, cache=None):
+        self.tokens, self.prompt_len, self.score, self.cache = tokens, prompt_len, score, cache
+
+    @property
+    def generated(self) -> list:
+        return self.tokens[self.prompt_len:]
+
+
+def _log_probs(row) -> np.ndarray:
+    """log-softmax of one row of float32 logits, in float32."""
+    z = row - row.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def _choose(row, temperature: float, top_p: float, u) -> int:
+    """One token from one row: the most likely at temperature 0; else, tokens ranked
+    most likely first and kept while the probability before them is below ``top_p``,
+    the one in whose share of the kept total ``u`` falls."""
+    if temperature == 0:
+        return int(np.argmax(row))
+    p = np.exp((row - row.max()).astype(np.float64) / temperature)
+    kept, before = [], 0.0
+    for t in np.argsort(-p, kind="stable").tolist():
+        if before >= top_p * p.sum():
+            break
+        kept.append(t)
+        before += p[t]
+    running = 0.0
+    for t in kept:
+        running += p[t]
+        if running > u * before:
+            return t
+    return kept[-1]
+
+
+def _rank_candidates(live, logits, width: int, stop_ids):
+    """Beam search's step, written out: every (beam, token) among each beam's 2 *
+    ``width`` most likely, scored by the beam's score plus the token's log-probability,
+    best first (ties: lower beam, then lower token). Walking down: a stop token ranked
+    in the first ``width`` ends a hypothesis; other tokens continue, until ``width``
+    continue."""
+    cands = []
+    for b, seq in enumerate(live):
+        lp = _log_probs(logits[b])
+        for t in np.argsort(-lp, kind="stable")[:2 * width].tolist():
+            cands.append((seq.score + float(lp[t]), b, t))
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    continuing, ended = [], []
+    for rank, (score, b, t) in enumerate(cands):
+        if t not in stop_ids:
+            continuing.append((b, t, score))
+        elif rank < width:
+            ended.append((b, t, score))
+        if len(continuing) == width:
+            break
+    return continuing, ended
+
+
+def _best(seqs, width: int) -> list:
+    """The ``width`` hypotheses with the highest log-probability per generated token
+    (ties: the smaller list of generated tokens first)."""
+    def per_token(s):
+        return s.score / max(1, len(s.tokens) - s.prompt_len)
+    return sorted(seqs, key=lambda s: (-per_token(s), s.tokens[s.prompt_len:]))[:width]
+
+
 def reference_generate(model: Llama, prompt, params, stop_ids=()) -> list:
     """The same requests as :class:`~pagedkv.model.generate.Engine`, one at a time, each
     sequence with its own contiguous cache (a fork copies the whole cache). Greedy, sampled,
-    ``n`` samples or beam search, choosing tokens with the engine's own functions and the same
-    order of random draws. Returns the finished sequences in the engine's output order."""
-    from .generate import Sequence, beam_select, best_beams, log_softmax_topk, sample
-
+    ``n`` samples or beam search, choosing tokens with its own few lines above (nothing
+    from the engine, so that a bug in the engine's choosing shows) and the same order of
+    random draws. Returns the finished sequences in the engine's output order."""
     stop_ids = frozenset(int(t) for t in stop_ids)
     rng = np.random.default_rng(params.seed)
     c = model.config
-    caches = {}                                              # seq_id -> ContiguousCache
-    ids = iter(range(1 << 62))
-
-    def new(tokens, score=0.0, cache=None):
-        s = Sequence(next(ids), list(tokens), len(prompt), score)
-        caches[s.seq_id] = cache
-        return s
-
-    first = new(prompt, cache=ContiguousCache(c.layers, c.kv_heads, c.head_dim, model.dtype))
-    logits = reference_forward(model, caches[first.seq_id], prompt)[-1:]
+    first = RefSeq(list(prompt), len(prompt),
+                   cache=ContiguousCache(c.layers, c.kv_heads, c.head_dim, model.dtype))
+    logits = reference_forward(model, first.cache, prompt)[-1:]
     live, finished = [first], []
     if params.n > 1:
-        live += [new(prompt, cache=caches[first.seq_id].copy()) for _ in range(params.n - 1)]
+        live += [RefSeq(list(prompt), len(prompt), cache=first.cache.copy())
+                 for _ in range(params.n - 1)]
         logits = logits[[0] * params.n]
     while True:
         if params.beam_width > 1:
             k = params.beam_width
-            top_lp, top_ids = log_softmax_topk(logits, 2 * k)
-            continuing, ended = beam_select([b.score for b in live], top_lp, top_ids, k,
-                                            stop_ids)
-            finished += [new(live[b].tokens + [t], score) for b, t, score in ended]
-            live = [new(live[b].tokens + [t], score, caches[live[b].seq_id].copy())
+            continuing, ended = _rank_candidates(live, logits, k, stop_ids)
+            finished += [RefSeq(live[b].tokens + [t], len(prompt), score)
+                         for b, t, score in ended]
+            live = [RefSeq(live[b].tokens + [t], len(prompt), score, live[b].cache.copy())
                     for b, t, score in continuing]
             if len(finished) >= k or not live or len(live[0].generated) >= params.max_new_tokens:
-                return best_beams(finished + live, k)
+                return _best(finished + live, k)
         else:
-            u = rng.random(len(live)) if params.temperature > 0 else None
-            for seq, t in zip(live, sample(logits, params.temperature, params.top_p, u)):
-                seq.tokens.append(int(t))
+            u = rng.random(len(live)) if params.temperature > 0 else [None] * len(live)
+            for seq, row, x in zip(live, logits, u):
+                seq.tokens.append(_choose(row, params.temperature, params.top_p, x))
             for seq in list(live):
                 if seq.tokens[-1] in stop_ids or len(seq.generated) >= params.max_new_tokens:
                     live.remove(seq)
                     finished.append(seq)
             if not live:
                 return finished
-        logits = np.concatenate([reference_forward(model, caches[s.seq_id], [s.tokens[-1]])
+        logits = np.concatenate([reference_forward(model, s.cache, [s.tokens[-1]])
                                  for s in live])

@@ -29,7 +29,7 @@ from ..checks import cdiv, positive_int
 from ..errors import AuditError, ConfigError, OutOfBlocks
 from ..swap import HostPool, Swapper, copy_to_device, copy_to_host
 
-__all__ = ["Counts", "Scheduling"]
+__all__ = ["Counts", "Scheduling", "prefill_prompt"]
 
 NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 
@@ -48,6 +48,15 @@ class Counts:
     @property
     def cached_tokens(self) -> int:
         return self.prompt_tokens - self.computed_tokens
+
+
+def prefill_prompt(manager, seq):
+    """A sequence's tokens checked and hashed once per admission (a
+    :class:`~pagedkv.prefix_cache.Prompt`), kept on the sequence from the first question
+    admission asks about them until it is added; its prefill takes the head it needs."""
+    if seq.prefill is None or len(seq.prefill.tokens) != len(seq.tokens):
+        seq.prefill = manager.prompt(seq.tokens)
+    return seq.prefill
 
 
 class Scheduling:
@@ -86,11 +95,12 @@ class Scheduling:
         """Free blocks the request takes from admission through its first decode step.
         """
         if req.live:            # preempted by recompute: every sequence comes back
-            return sum(self.manager.blocks_to_add(s.tokens) for s in req.live)
+            return sum(self.manager.blocks_to_add(prefill_prompt(self.manager, s))
+                       for s in req.live)
         # the prompt, then a block per sequence at the first step (a new block, or a
         # copy of the shared, partly filled last block of the prompt)
         first_step = req.params.width - (len(req.prompt) % self.block_size != 0)
-        return self.manager.blocks_to_add(req.prompt) + first_step
+        return self.manager.blocks_to_add(req.hashed) + first_step
 
     def admission(self, req, promised: int = 0) -> tuple[str, str]:
         """``("now", "")``, ``("later", why)`` or ``("never", why)`` for ``req``, when

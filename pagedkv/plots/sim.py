@@ -165,9 +165,9 @@ def plot_sharing(refcounts, *, title=None, ax=None):
 def beam_pool_figure(width: int = 4, *, prompt: int = 10, output: int = 30, block_size: int = 4,
                      seed: int = 0, ax=None):
     """One beam search of ``width`` beams on a fresh pool of 128 blocks, drawn with
-    :func:`plot_sharing`. Returns (figure, the :class:`~pagedkv.sim.PagedKV`,
+    :func:`plot_sharing`. Returns (figure, the :class:`~pagedkv.sim.CheckedKV`,
     saving)."""
-    kv = sim.PagedKV(128 * sim.SIM_SPEC.block_bytes(block_size), block_size, write=True)
+    kv = sim.CheckedKV(128 * sim.SIM_SPEC.block_bytes(block_size), block_size, write=True)
     frames = []
     used, unshared = sim.beam_search(kv, 0, prompt, output, width, np.random.default_rng(seed),
                                      on_step=lambda kv: frames.append(kv.allocator.refcounts()))

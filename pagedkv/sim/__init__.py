@@ -12,21 +12,21 @@
 * :mod:`~pagedkv.sim.report` — the chapter's runs, and their numbers as text;
 * :mod:`~pagedkv.sim.sharing` — beam search and parallel sampling, copy-on-write.
 """
-from .kvdata import BOOKKEEPING, SIM_SPEC, PagedKV, check_bookkeeping, token_values
+from .kvdata import BOOKKEEPING, SIM_SPEC, CheckedKV, check_bookkeeping, token_values
 from .measure import SERIES, ManagerProbe, Observer, Observers, Recorder, Run
 from .policies import POLICY_NAMES, PagedPolicy, Policy, ReservationPolicy, make_policy
 from .preemption import (Latency, ReservePolicy, SwapPolicy, compare_preemption,
                          preemption_table, swap)
 from .report import (MiB, compare_policies, dashboard, memory_needed, memory_table,
                      scale_run, simulate, work_table)
-from .serving import TOKEN_BUDGET, Batch, Queue, admit, recompute, serve
+from .serving import TOKEN_BUDGET, Running, Queue, admit, recompute, serve
 from .sharing import beam_children, beam_search, parallel_sampling, sharing_savings
 from .workloads import PRESETS, Request, Workload, make_workload
 
 __all__ = ["Request", "Workload", "PRESETS", "make_workload", "SIM_SPEC", "BOOKKEEPING",
-           "check_bookkeeping", "token_values", "PagedKV", "Policy", "PagedPolicy",
+           "check_bookkeeping", "token_values", "CheckedKV", "Policy", "PagedPolicy",
            "ReservationPolicy", "make_policy", "POLICY_NAMES", "TOKEN_BUDGET", "Queue",
-           "Batch", "serve", "admit", "recompute", "Observer", "Observers", "Recorder",
+           "Running", "serve", "admit", "recompute", "Observer", "Observers", "Recorder",
            "ManagerProbe", "Run", "SERIES", "MiB", "simulate", "dashboard",
            "compare_policies", "memory_table", "work_table", "scale_run", "memory_needed",
            "beam_children", "beam_search", "parallel_sampling", "sharing_savings", "swap",

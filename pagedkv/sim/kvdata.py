@@ -1,7 +1,7 @@
 """The K/V data path: a manager and the bytes it manages, every token written and
 checked.
 
-:class:`PagedKV` executes the manager's plans with
+:class:`CheckedKV` executes the manager's plans with
 :func:`~pagedkv.kernels.cache_ops.write_kv` and
 :func:`~pagedkv.kernels.cache_ops.copy_blocks` on the pool itself (GPU memory with CuPy,
 host memory with NumPy). Each token's K and V are a fixed function of (who wrote it, its
@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..manager import KVCacheManager
 from ..spec import KVSpec
 
-__all__ = ["SIM_SPEC", "BOOKKEEPING", "check_bookkeeping", "token_values", "PagedKV"]
+__all__ = ["SIM_SPEC", "BOOKKEEPING", "check_bookkeeping", "token_values", "CheckedKV"]
 
 #: The simulation's model shape: one layer, one KV head of 64 float32 numbers, 512 bytes
 #: of K and V per token. Small, so that many tokens fit in a pool that any laptop can
@@ -80,7 +80,7 @@ def token_values(writers, positions, kv_heads: int = 1, head_dim: int = 64):
     return k, -k
 
 
-class PagedKV:
+class CheckedKV:
     """A :class:`~pagedkv.manager.KVCacheManager` over a pool of ``pool_bytes``, and its
     bytes.
 

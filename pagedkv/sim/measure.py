@@ -34,7 +34,7 @@ SERIES = ("step", "running", "tokens", "reserved", "internal", "external", "free
 
 class Observer:
     """Told what the serving loop does, at four points; each method does nothing
-    unless overridden. ``batch`` is the :class:`~pagedkv.sim.serving.Batch` of
+    unless overridden. ``batch`` is the :class:`~pagedkv.sim.serving.Running` of
     running requests, ``queue`` the :class:`~pagedkv.sim.serving.Queue`, ``refused``
     the (request, tokens) at the head of the queue that admission refused this step,
     or None."""

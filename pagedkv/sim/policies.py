@@ -20,7 +20,7 @@ from ..checks import cdiv, positive_int
 from ..contiguous import FirstFit
 from ..errors import ConfigError, OutOfBlocks
 from ..spec import KVSpec
-from .kvdata import SIM_SPEC, PagedKV
+from .kvdata import SIM_SPEC, CheckedKV
 from .workloads import Request
 
 __all__ = ["Policy", "PagedPolicy", "ReservationPolicy", "make_policy", "POLICY_NAMES"]
@@ -94,7 +94,7 @@ class PagedPolicy(Policy):
         if isinstance(watermark, bool) or not 0 <= watermark < 1:
             raise ConfigError(f"watermark must be a share of the pool in [0, 1), "
                               f"got {watermark!r}")
-        self.kv = PagedKV(pool_bytes, block_size, spec=spec, write=write,
+        self.kv = CheckedKV(pool_bytes, block_size, spec=spec, write=write,
                           bookkeeping=bookkeeping, max_seqs=max_seqs, max_len=max_len)
         self.manager, self.block_size = self.kv.manager, self.kv.block_size
         self.name = f"paged, block {self.block_size}"

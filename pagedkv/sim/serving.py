@@ -1,7 +1,7 @@
 """The serving loop: continuous batching over one pool, first come, first served.
 
 :func:`serve` is the whole algorithm. It keeps requests in two places, a :class:`Queue`
-(not yet arrived, and waiting) and a :class:`Batch` (running), and asks a
+(not yet arrived, and waiting) and :class:`Running` (the running requests), and asks a
 :class:`~pagedkv.sim.policies.Policy` where their memory goes. It measures nothing
 itself: observers (:class:`~pagedkv.sim.measure.Observer`) are told what happens at four
 points: a request is admitted, a request is preempted, a step is done, a request leaves.
@@ -16,7 +16,7 @@ from ..checks import positive_int
 from ..errors import ConfigError
 from .measure import Observers, Recorder
 
-__all__ = ["Queue", "Batch", "serve", "admit", "recompute", "TOKEN_BUDGET"]
+__all__ = ["Queue", "Running", "serve", "admit", "recompute", "TOKEN_BUDGET"]
 
 #: Tokens one step may compute, prefills and decodes together: the default of vLLM's
 #: ``max_num_batched_tokens`` (``SchedulerConfig`` in ``vllm/config/scheduler.py``).
@@ -46,7 +46,7 @@ class Queue:
         return max(step + 1, self.pending[0].arrival)
 
 
-class Batch:
+class Running:
     """The running requests, in admission order, with their lengths and final lengths."""
 
     def __init__(self):
@@ -125,7 +125,7 @@ def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BU
     policy.check(workload)                  # a request that can never fit is refused now
     recorder = Recorder(workload, policy, max_seqs)
     watch = Observers([recorder, *observers])
-    queue, batch, step = Queue(workload.requests), Batch(), 0
+    queue, batch, step = Queue(workload.requests), Running(), 0
     while queue or batch:
         queue.arrive(step)
         refused = admit(queue, batch, policy, max_seqs, token_budget, watch, step)

@@ -1,7 +1,7 @@
 """Sharing: forked sequences that share blocks copy-on-write (beam search, parallel
 sampling), and how much memory that saves.
 
-Both run on a :class:`~pagedkv.sim.kvdata.PagedKV`, so every token of every beam is
+Both run on a :class:`~pagedkv.sim.kvdata.CheckedKV`, so every token of every beam is
 written and, when the beam is freed, read back through its own page table and checked.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from ..checks import cdiv, positive_int
 from ..errors import AuditError, ConfigError
-from .kvdata import SIM_SPEC, PagedKV
+from .kvdata import SIM_SPEC, CheckedKV
 from .workloads import make_workload
 
 __all__ = ["beam_search", "parallel_sampling", "sharing_savings", "beam_children"]
@@ -28,7 +28,7 @@ def beam_children(rng, scores, width, alpha, vocab):
     return best // width, cand.ravel()[best]
 
 
-def beam_search(kv: PagedKV, first_id: int, prompt: int, output: int, width: int, rng,
+def beam_search(kv: CheckedKV, first_id: int, prompt: int, output: int, width: int, rng,
                 *, alpha: float = 0.3, vocab: int = 64, on_step=None) -> tuple[int, int]:
     """One beam-search request on ``kv``: prefill the prompt, then every step fork the
     beams with several surviving children, free (prune) those with none, and step all
@@ -67,7 +67,7 @@ def beam_search(kv: PagedKV, first_id: int, prompt: int, output: int, width: int
     return used_sum, unshared_sum
 
 
-def parallel_sampling(kv: PagedKV, first_id: int, prompt: int, output: int, n: int, *,
+def parallel_sampling(kv: CheckedKV, first_id: int, prompt: int, output: int, n: int, *,
                       on_step=None) -> tuple[int, int]:
     """``n`` samples of one prompt: prefill once, fork ``n - 1`` times, then every
     sample writes its own ``output`` tokens. Returns sums over steps as
@@ -106,7 +106,7 @@ def sharing_savings(mode: str, widths=(2, 4, 6), *, preset: str = "alpaca",
     out = {}
     for w in widths:
         blocks = (2 * w + 2) * cdiv(wl.longest, block_size)   # room for every live beam
-        kv = PagedKV(blocks * SIM_SPEC.block_bytes(block_size), block_size, write=write,
+        kv = CheckedKV(blocks * SIM_SPEC.block_bytes(block_size), block_size, write=write,
                      bookkeeping=bookkeeping, max_seqs=2 * w, max_len=wl.longest)
         rng = np.random.default_rng([seed, w])
         used = unshared = next_id = 0
