@@ -407,11 +407,19 @@ class Engine(Scheduling):
         start = 0
         for req in reqs:
             end = start + len(req.live)
-            rows = logits[start:end]
-            if req.params.beam_width > 1:
-                self._beam_step(req, rows)
+            p = req.params
+            if greedy is not None and end == start + 1 and p.temperature == 0 \
+                    and p.beam_width == 1:           # the common case, without a call
+                seq = req.live[0]
+                seq.tokens.append(greedy[start])
+                if greedy[start] in self.stop_ids or \
+                        len(seq.tokens) - seq.prompt_len >= p.max_new_tokens:
+                    self._retire(req, seq)
+            elif p.beam_width > 1:
+                self._beam_step(req, logits[start:end])
             else:
-                self._sample_step(req, rows, None if greedy is None else greedy[start:end])
+                self._sample_step(req, logits[start:end],
+                                  None if greedy is None else greedy[start:end])
             start = end
 
     def _sample_step(self, req: Request, logits, greedy=None) -> None:
