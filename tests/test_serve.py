@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny-random-llama"
 TIMEOUT = 30.0      # seconds any one call may take
 LONG = 1500         # tokens: an answer that runs for a while on the tiny model
-ENV = {**os.environ, "PYTHONPATH": ROOT}
+ENV = {**os.environ,   # this checkout first, and whatever the environment already adds
+       "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
 
 
 def _idle(server, deadline: float = 10.0) -> dict:
