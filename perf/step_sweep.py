@@ -10,12 +10,12 @@ replays of one captured graph.
 """
 import argparse
 import json
-import statistics
 import sys
 
 import numpy as np
 
 from pagedkv import backend
+from pagedkv.bench.model import replay_ms
 from pagedkv.checks import cdiv
 from pagedkv.model import Llama, random_weights
 from pagedkv.model import runner as runner_mod
@@ -24,21 +24,6 @@ from pagedkv.model.llama import Batch, PagedKV
 
 SMOL = LlamaConfig(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64,
                    ffn=1536, rope_base=100000.0, context=8192)
-
-
-def replay_ms(runner, b, rounds=5, n=100):
-    cp = backend.xp
-    graph, s = runner._graphs[b], runner.stream
-    times = []
-    for _ in range(rounds):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(s)
-        for _ in range(n):
-            graph.launch(s)
-        end.record(s)
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / n)
-    return statistics.median(times)
 
 
 def batch_of(b, length, block_size, width):

@@ -143,23 +143,31 @@ def breakdown(model, prompt, batch: int, steps: int) -> dict:
     return ms
 
 
-def graph_replay_ms(engine, repeat: int = 50) -> float | None:
-    """Device time of one replay of the graph the engine's fast runner used last (CUDA
-    events around ``repeat`` replays): the step without the engine's Python around it."""
+def replay_ms(runner, bucket: int, rounds: int = 5, n: int = 100) -> float:
+    """Device time of one replay of ``runner``'s graph for ``bucket``: CUDA events around
+    ``n`` back-to-back replays, the median of ``rounds``."""
+    cp = backend.xp
+    graph, s = runner._graphs[bucket], runner.stream
+    graph.launch(s)
+    times = []
+    for _ in range(rounds):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(s)
+        for _ in range(n):
+            graph.launch(s)
+        end.record(s)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / n)
+    return statistics.median(times)
+
+
+def graph_replay_ms(engine) -> float | None:
+    """The replay time of the graph the engine's fast runner used last (its largest bucket):
+    the step without the engine's Python around it."""
     runner = engine.runner
     if not getattr(runner, "graphs", False) or not runner._graphs:
         return None
-    cp = backend.xp
-    b = max(runner._graphs)
-    graph, s = runner._graphs[b], runner.stream
-    graph.launch(s)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(s)
-    for _ in range(repeat):
-        graph.launch(s)
-    end.record(s)
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / repeat
+    return replay_ms(runner, max(runner._graphs))
 
 
 def fast_tokens_per_second(model, prompt, batch: int, steps: int, repeat: int,

@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import backend
 from ..checks import cdiv, positive_int
 from ..errors import ConfigError
 from ..kernels import decode_plan, paged_decode_attention
