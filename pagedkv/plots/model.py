@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from .memory import EDGE_COLOR, PALETTE, SHARED_COLOR
 
@@ -14,29 +15,33 @@ __all__ = ["draw_block_across_layers", "draw_pool_filling", "draw_beam_tree",
 
 
 def draw_block_across_layers(config, block_size: int, dtype_bytes: int = 2,
-                             block_id: int = 7) -> Figure:
-    """One block id, seen in every layer: ``layers`` rows of ``block_size`` token slots, each
-    slot holding K and V for ``kv_heads`` heads of ``head_dim`` numbers."""
+                             block_id: int = 7, num_blocks: int = 12) -> Figure:
+    """The first ``num_blocks`` blocks of every layer's cache, one row a layer: block
+    ``block_id`` is the same column in all ``layers`` rows, so one page-table entry names it in
+    every layer at once."""
     c = config
+    if not 0 <= block_id < num_blocks:
+        raise ValueError(f"block_id must lie in [0, {num_blocks}), got {block_id}")
     slot = 2 * c.kv_heads * c.head_dim * dtype_bytes
     fig = Figure(figsize=(9, 4.6), layout="constrained")
     ax = fig.add_subplot()
     for layer in range(c.layers):
-        for t in range(block_size):
-            ax.add_patch(Rectangle((t, layer), 1, 1, facecolor=PALETTE[layer % 2 * 4],
-                                   edgecolor="white", lw=0.6))
-    ax.set_xlim(0, block_size)
+        for b in range(num_blocks):
+            ax.add_patch(Rectangle((b, layer), 1, 1, edgecolor="white", lw=0.6,
+                                   facecolor=PALETTE[0] if b == block_id else "#D9D9D9"))
+    ax.set_xlim(0, num_blocks)
     ax.set_ylim(c.layers, 0)
-    ax.set_xticks([0.5, block_size - 0.5], ["token 0", f"token {block_size - 1}"], fontsize=9)
+    ax.set_xticks([b + 0.5 for b in range(num_blocks)], [str(b) for b in range(num_blocks)],
+                  fontsize=9)
+    ax.set_xlabel("block id (the first blocks of the pool)", fontsize=9)
     ticks = [0, c.layers // 2, c.layers - 1]
     ax.set_yticks([t + 0.5 for t in ticks], [f"layer {t}" for t in ticks], fontsize=9)
-    ax.set_title(f"block {block_id}: the same id in all {c.layers} layers — "
-                 f"{c.layers} x {block_size} slots of {slot:,} bytes (K and V, {c.kv_heads} "
-                 f"heads x {c.head_dim}), {c.layers * block_size * slot:,} bytes in all",
-                 fontsize=10)
+    ax.set_title(f"block {block_id} in all {c.layers} layers: {block_size} token slots of "
+                 f"{slot:,} bytes (K and V, {c.kv_heads} heads x {c.head_dim}) in each, "
+                 f"{c.layers * block_size * slot:,} bytes in all", fontsize=10)
     ax.tick_params(length=0)
-    for s in ax.spines.values():
-        s.set_visible(False)
+    for sp in ax.spines.values():
+        sp.set_visible(False)
     return fig
 
 
@@ -53,6 +58,7 @@ def draw_pool_filling(history, total_blocks: int, *, tokens=None, title=None) ->
         ax.fill_between(steps, shared, step="mid", color=SHARED_COLOR, label="shared blocks")
     ax.axhline(total_blocks, color=EDGE_COLOR, lw=1, ls="--", label=f"pool: {total_blocks}")
     ax.set_ylim(0, total_blocks * 1.15)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))    # blocks come whole
     ax.set_xlim(0.5, len(history) + 0.5)
     ax.set_xlabel("decode step" if tokens is None else "decode step (the token it produced)",
                   fontsize=9)
