@@ -115,6 +115,21 @@ def test_chat_greedy_equals_the_engine(client, oracle):
     assert r.usage.total_tokens == len(ids) + n
 
 
+def test_fast_runner_serves_the_same_answer(oracle):
+    """`--runner fast` (fused kernels; CUDA graphs on a GPU): greedy chat gives the plain
+    engine's text."""
+    with ServerProcess("--model", "tiny", "--runner", "fast", "--audit", env=ENV,
+                       timeout=60) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="none", timeout=TIMEOUT,
+                          max_retries=0)
+        r = c.chat.completions.create(model=MODEL, max_tokens=40, temperature=0,
+                                      messages=[{"role": "user", "content": "Name a colour."}])
+        ids = ByteTokenizer().encode(chat_text([("user", "Name a colour.")]))
+        assert r.choices[0].message.content == _engine_greedy(oracle, ids, 40)[0]
+        assert _idle(s)["audit"] == "ok"
+    assert s.proc.returncode == 0, s.log()
+
+
 def test_streaming_equals_non_streaming(client):
     """The deltas of a stream add up to the non-streamed answer; the first chunk carries
     the role, the last choice chunk the finish reason, then one usage chunk."""

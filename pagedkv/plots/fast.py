@@ -29,7 +29,8 @@ def draw_step_times(steps: dict, batches, *, title=None) -> Figure:
     ax.set_yscale("log")
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches], fontsize=9)
     ax.set_ylabel("milliseconds a decode step (log scale)", fontsize=9)
-    ax.legend(fontsize=9, ncols=2, frameon=False)
+    ax.legend(fontsize=9, ncols=len(steps), frameon=False, loc="upper center",
+              bbox_to_anchor=(0.5, -0.1))               # below the axes: no bar hidden
     ax.grid(axis="y", which="both", lw=0.3, alpha=0.5)
     if title:
         ax.set_title(title, fontsize=10)

@@ -29,6 +29,10 @@ def parser() -> argparse.ArgumentParser:
                         "tests)")
     p.add_argument("--gguf", default=None, metavar="PATH",
                    help="the model file (default: $PAGEDKV_GGUF, else the installed one)")
+    p.add_argument("--runner", default="plain", choices=["plain", "fast"],
+                   help="plain: chapter 10's forward pass; fast: fused kernels, static "
+                        "buffers and CUDA graphs on a GPU (chapter 14), on pagedkv.fast's "
+                        "bookkeeping")
     p.add_argument("--audit", action="store_true",
                    help="check the pool's invariants after every engine step")
     p.add_argument("--log-level", default="info")
@@ -47,7 +51,9 @@ def build(args):
     served = load(args.model, args.gguf)
     engine = Engine(served.model, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_seqs=args.max_seqs, stop_ids=[served.tokenizer.eos_id],
-                    prefix_caching=args.prefix_caching, audit=args.audit)
+                    prefix_caching=args.prefix_caching, audit=args.audit,
+                    runner=args.runner,
+                    bookkeeping="fast" if args.runner == "fast" else "teaching")
     loop = EngineLoop(engine, served.tokenizer, max_waiting=args.max_waiting).start()
     return served, loop, create_app(loop, served)
 
