@@ -31,12 +31,20 @@ by :meth:`CachedBlocks.audit`: every index entry names a block whose entry has t
 hash, and that hash is the chained hash of the entry's tokens; every idle block is
 cached and has exactly one owner.
 
-:class:`PrefixCachingManager` is the :class:`~pagedkv.manager.KVCacheManager` over such
-a pool. Its calls take token ids instead of counts, since a block is named by its
-tokens. A sequence frees its blocks last one first, so that its tail is evicted before
-its head (a cached block is only found through the blocks before it). With
-``caching=False`` it keeps the token ids but caches nothing: the same engine code runs
-with and without the cache.
+:class:`PrefixCachingManager` holds a :class:`~pagedkv.manager.KVCacheManager` over such
+a pool and answers its lookups, but it is not one: its ``add``, ``append`` and ``step``
+take the token ids whose K/V the new slots will hold, where the plain manager's take
+counts. A count cannot keep the contract here (a block is named by its tokens, so the
+ids would have to come from somewhere else behind the caller's back), and a subclass
+whose calls mean something else makes every caller ask which one it holds. So the
+types are apart: code written for the plain manager fails at its first call on this one,
+with an error that says so. It keeps no copy of a sequence's tokens either: the caller
+owns them (the engine's sequences), and the manager keeps what it needs of them, the
+hashes of the full blocks and the ids of the partly filled last one, until that block
+fills and is named. A sequence frees its blocks last one first, so that its tail is
+evicted before its head (a cached block is only found through the blocks before it).
+With ``caching=False`` it caches nothing: the same engine code runs with and without
+the cache.
 """
 from __future__ import annotations
 
@@ -47,7 +55,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from .checks import cdiv, token_ids
+from .checks import cdiv, is_int, token_ids
 from .errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
 from .manager import KVCacheManager, Plan, StepPlan, need_teaching_allocator
 from .page_table import PageTable
@@ -221,24 +229,66 @@ class Prompt(NamedTuple):
                       self.block_size)
 
 
-class PrefixCachingManager(KVCacheManager):
-    """A :class:`~pagedkv.manager.KVCacheManager` whose full blocks are cached by
+class PrefixCachingManager:
+    """Chapter 5's manager (``pages``) over a pool whose full blocks are cached by
     content. ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots
-    will hold. With ``caching=False`` nothing is ever cached or found (the plain
-    manager's behaviour)."""
-
-    allocator_type = CachedBlocks      # over a teaching BlockAllocator
+    will hold, so it is not a :class:`~pagedkv.manager.KVCacheManager`; it answers the
+    same lookups. With ``caching=False`` nothing is ever cached or found."""
 
     def __init__(self, allocator, block_size: int, *, caching: bool = True):
         need_teaching_allocator(self, allocator)
-        super().__init__(CachedBlocks(allocator), block_size)
-        self.cache = self.allocator
+        self.pages = KVCacheManager(allocator, block_size)   # (which checks the pool)
+        self.allocator = self.cache = self.pages.allocator = CachedBlocks(allocator)
+        self.block_size = self.pages.block_size
+        self.token_bytes = self.pages.token_bytes
         self.caching = bool(caching)
-        self._tokens: dict = {}       # sequence id -> its token ids
+        self._tail: dict = {}         # sequence id -> ids of its partly filled block
         self._hashes: dict = {}       # sequence id -> hashes of its full blocks
         self._serials: dict = {}      # sequence id -> for each full block, the serial
         #                               of the entry holding its tokens so far, or None
 
+    # -------------------------------------------------------------- pages' lookups
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self.pages
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    @property
+    def seq_ids(self) -> list:
+        return self.pages.seq_ids
+
+    def _table(self, seq_id) -> PageTable:
+        return self.pages._table(seq_id)
+
+    def num_tokens(self, seq_id) -> int:
+        return self.pages.num_tokens(seq_id)
+
+    def block_table(self, seq_id) -> np.ndarray:
+        return self.pages.block_table(seq_id)
+
+    def page_table(self, seq_id) -> PageTable:
+        return self.pages.page_table(seq_id)
+
+    def slot(self, seq_id, token: int) -> int:
+        return self.pages.slot(seq_id, token)
+
+    def slots(self, seq_id) -> np.ndarray:
+        return self.pages.slots(seq_id)
+
+    def blocks_needed(self, seq_id, n: int = 1) -> int:
+        return self.pages.blocks_needed(seq_id, n)
+
+    def can_append(self, seq_id, n: int = 1) -> bool:
+        return self.pages.can_append(seq_id, n)
+
+    def stats(self):
+        return self.pages.stats()
+
+    def __repr__(self) -> str:
+        return repr(self.pages).replace("KVCacheManager", "PrefixCachingManager", 1)
+
+    # -------------------------------------------------------------- finding a prefix
     def prompt(self, tokens) -> Prompt:
         """``tokens`` checked and hashed, once, for the calls that take a prompt."""
         bs = self.block_size
@@ -291,33 +341,35 @@ class PrefixCachingManager(KVCacheManager):
         """Admit a prompt (token ids, or a :class:`Prompt`): its leading full blocks
         from the cache where they are there, fresh blocks for the rest. All or nothing,
         as :meth:`KVCacheManager.add`."""
-        self._check_new(seq_id, "sequence")
-        prompt = self.prompt(tokens)
-        tokens = list(prompt.tokens)
-        if not tokens:
+        self.pages._check_new(seq_id, "sequence")
+        prompt = self.prompt(not_a_count(tokens, "add"))
+        if not prompt.tokens:
             raise ConfigError("add needs at least one token (the last one's logits "
                               "choose the next)")
         hits, serials = self._find_prefix(prompt)
-        need = self._blocks_to_add(tokens, hits)
+        need = self._blocks_to_add(prompt.tokens, hits)
         if need > self.cache.num_free:
             raise OutOfBlocks(need, self.cache.num_free, f"add {seq_id!r}")
         for b in hits:
             self.cache.take(b)
-        table = self._tables[seq_id] = PageTable(self.block_size, hits,
-                                                 len(hits) * self.block_size)
-        self._tokens[seq_id], self._hashes[seq_id] = tokens, list(prompt.hashes)
+        found = len(hits) * self.block_size
+        table = self.pages._tables[seq_id] = PageTable(self.block_size, hits, found)
+        self._tail[seq_id] = prompt.tokens[found:]
+        self._hashes[seq_id] = list(prompt.hashes)
         self._serials[seq_id] = serials
-        plan = self._grow(table, len(tokens) - table.num_tokens)
+        plan = self.pages._grow(table, len(prompt.tokens) - found)
         self._cache_full_blocks(seq_id)
-        return PrefillPlan(plan.slots, plan.copies, len(hits) * self.block_size)
+        return PrefillPlan(plan.slots, plan.copies, found)
 
     def append(self, seq_id, tokens) -> Plan:
+        """Append the K/V slots of ``tokens`` (ids), as :meth:`KVCacheManager.append`
+        does for a count."""
         self._table(seq_id)                        # an unknown id is reported first
-        tokens = token_ids(tokens)
+        tokens = token_ids(not_a_count(tokens, "append"))
         if not tokens:
             raise ConfigError("append needs at least one token")
-        plan = super().append(seq_id, len(tokens))
-        self._tokens[seq_id] += tokens
+        plan = self.pages.append(seq_id, len(tokens))
+        self._tail[seq_id] += tokens
         self._cache_full_blocks(seq_id)
         return plan
 
@@ -327,38 +379,41 @@ class PrefixCachingManager(KVCacheManager):
         ids = self.seq_ids if seq_ids is None else list(seq_ids)
         for seq_id in ids:                         # an unknown id is reported first
             self._table(seq_id)
-        tokens = token_ids(tokens)
+        tokens = token_ids(not_a_count(tokens, "step"))
         if len(tokens) != len(ids):
             raise ConfigError(f"step: one token per sequence, got {len(tokens)} "
                               f"token(s) for {len(ids)} sequence(s)")
-        plan = super().step(ids)
+        plan = self.pages.step(ids)
         for seq_id, token in zip(ids, tokens):
-            self._tokens[seq_id].append(token)
-            if len(self._tokens[seq_id]) % self.block_size == 0:
+            tail = self._tail[seq_id]
+            tail.append(token)
+            if len(tail) == self.block_size:
                 self._cache_full_blocks(seq_id)
         return plan
 
     def _cache_full_blocks(self, seq_id) -> None:
-        """Name (and cache) each full block of the sequence that is not named yet. A
-        block is cached when its slots are planned: the caller writes them before anyone
-        reads them."""
-        if not self.caching:
-            return
-        bs, tokens, hashes = self.block_size, self._tokens[seq_id], self._hashes[seq_id]
-        serials, blocks = self._serials[seq_id], self._tables[seq_id].blocks
-        for j in range(len(serials), len(tokens) // bs):
-            block_tokens = tuple(tokens[j * bs:(j + 1) * bs])
+        """Name (and cache) each block the sequence's tail of ids fills, and keep the
+        rest: a full block's ids live on in its hash. A block is cached when its slots
+        are planned: the caller writes them before anyone reads them."""
+        bs, tail = self.block_size, self._tail[seq_id]
+        full = len(tail) // bs * bs
+        hashes, serials = self._hashes[seq_id], self._serials[seq_id]
+        blocks = self._table(seq_id).blocks
+        for start in range(0, full if self.caching else 0, bs):
+            j, block_tokens = len(serials), tuple(tail[start:start + bs])
             parent_hash = hashes[j - 1] if j else 0
             if j == len(hashes):                   # (a prompt's came hashed already)
                 hashes.append(block_hash(parent_hash, block_tokens))
             # its parent: the entry this sequence holds for the blocks before it
             serials.append(self.cache.insert(blocks[j], hashes[j], block_tokens,
                                              serials[-1] if j else 0, parent_hash))
+        del tail[:full]
 
     def fork(self, parent, *children) -> None:
-        super().fork(parent, *children)
+        """As :meth:`KVCacheManager.fork`; each child starts with its parent's chain."""
+        self.pages.fork(parent, *children)
         for child in children:
-            self._tokens[child] = list(self._tokens[parent])
+            self._tail[child] = list(self._tail[parent])
             self._hashes[child] = list(self._hashes[parent])
             self._serials[child] = list(self._serials[parent])
 
@@ -366,30 +421,36 @@ class PrefixCachingManager(KVCacheManager):
         """Release the sequence's blocks, the last one first: a cached block can only be
         found through the blocks before it, so the tail should be evicted before the
         head."""
-        self.cache.free_n(self._table(seq_id).blocks[::-1])
-        del self._tables[seq_id], self._tokens[seq_id], self._hashes[seq_id]
-        del self._serials[seq_id]
+        self._table(seq_id).blocks.reverse()   # dropped next: only the order changes
+        self.pages.free(seq_id)
+        del self._tail[seq_id], self._hashes[seq_id], self._serials[seq_id]
 
     def audit(self) -> None:
-        """The manager's and the cache's invariants, and: each sequence holds K/V for as
-        many tokens as it has ids, and every cached block it maps holds the tokens its
-        entry says."""
-        super().audit()
+        """The page tables' and the cache's invariants, and: each sequence keeps the ids
+        of its partly filled last block alone, and each cached block it maps is the
+        entry its chain holds there."""
+        self.pages.audit()
         bs = self.block_size
-        for seq_id, table in self._tables.items():
-            tokens = self._tokens[seq_id]
-            if len(tokens) != table.num_tokens:
-                raise AuditError(f"sequence {seq_id!r} has {table.num_tokens} tokens "
-                                 f"of K/V but {len(tokens)} token ids")
-            for j, block in enumerate(table.blocks[:len(tokens) // bs]):
+        for seq_id in self.seq_ids:
+            n, tail = self.num_tokens(seq_id), self._tail[seq_id]
+            if len(tail) != n % bs:
+                raise AuditError(f"sequence {seq_id!r} has {n} tokens of K/V but keeps "
+                                 f"{len(tail)} ids of its last block")
+            serials = self._serials[seq_id]
+            if self.caching and len(serials) != n // bs:
+                raise AuditError(f"sequence {seq_id!r} has {n // bs} full blocks but a "
+                                 f"chain of {len(serials)}")
+            for block, serial in zip(self._table(seq_id).blocks, serials):
                 entry = self.cache._entry.get(block)
-                own = tuple(tokens[j * bs:(j + 1) * bs])
-                if entry is not None and entry.tokens != own:
-                    raise AuditError(f"block {block} is cached for other tokens than "
-                                     f"the ones sequence {seq_id!r} holds in it")
+                if entry is not None and entry.serial != serial:
+                    raise AuditError(f"block {block} is cached as another entry than "
+                                     f"the one sequence {seq_id!r} holds in it")
 
-    def tokens(self, seq_id) -> list:
-        """The token ids the sequence holds K/V for."""
-        self._table(seq_id)
-        return list(self._tokens[seq_id])
 
+def not_a_count(tokens, call: str):
+    """``tokens``, unless it is a count (or, for ``step``, nothing): what code written
+    for the plain manager passes, refused first, saying so."""
+    if tokens is None or is_int(tokens):
+        raise ConfigError(f"PrefixCachingManager.{call} takes token ids, got "
+                          f"{tokens!r} (what KVCacheManager.{call} takes)")
+    return tokens

@@ -19,6 +19,12 @@ bytes):
 Invariants, checked by :meth:`Swapper.audit` (with the host allocator's own): a host
 block's refcount equals the number of swapped-out sequences that map it; a swapped-out
 sequence is not in the manager.
+
+The swapper keeps blocks, not tokens: a sequence's tokens have one owner, its caller
+(the engine's sequences), who gives back at swap-in what the manager's ``add`` takes (a
+count for :class:`~pagedkv.manager.KVCacheManager`, the ids for a prefix-caching
+manager). The swapper never asks which manager it holds: the blocks a prefix cache
+found again are the tokens the plan of ``add`` has no slots for.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import numpy as np
 
 from . import backend
 from .allocator import BlockAllocator
+from .checks import is_int, token_ids
 from .errors import (AuditError, ConfigError, DuplicateSequence, OutOfBlocks,
                      PoolTooLarge, SequenceExists, UnknownSequence)
 from .manager import copies_array
@@ -63,16 +70,12 @@ class HostPool(BlockAllocator):
 
 class Swapped(NamedTuple):
     host_blocks: list     # where each of its blocks waits, in page-table order
-    contents: object      # what the manager's add() takes to bring it back
+    num_tokens: int       # how many tokens' K/V they hold
 
 
-def _contents(manager, seq_id):
-    """What ``manager.add`` needs to bring ``seq_id`` back: its token ids for a manager
-    that names blocks by their tokens
-    (:class:`~pagedkv.prefix_cache.PrefixCachingManager`), else its length."""
-    if hasattr(manager, "tokens"):
-        return manager.tokens(seq_id)
-    return manager.num_tokens(seq_id)
+def _length(contents) -> int:
+    """How many tokens ``contents`` (a count, or token ids, checked) brings back."""
+    return int(contents) if is_int(contents) else len(token_ids(contents))
 
 
 class Swapper:
@@ -111,7 +114,7 @@ class Swapper:
                 self.host.share_n([host_of[b]], times=n - 1)
         for s, table in zip(ids, tables):
             parked = [host_of[b] for b in table]
-            self.swapped[s] = Swapped(parked, _contents(self.manager, s))
+            self.swapped[s] = Swapped(parked, self.manager.num_tokens(s))
             self.manager.free(s)
         self.blocks_out += len(owners)
         return copies_array(list(host_of.items()))
@@ -121,24 +124,36 @@ class Swapper:
         prefix cache still holds make it fewer)."""
         return sum(len(self._swapped(s).host_blocks) for s in seq_ids)
 
-    def swap_in(self, seq_ids) -> np.ndarray:
-        """Bring parked sequences back with fresh device blocks. A prefix-caching
-        manager finds the blocks it still caches, and those need no copy. Returns (host
-        block, device block) pairs. All or nothing: :class:`OutOfBlocks` if the device
-        pool is too small."""
-        ids = self._ids(seq_ids)
+    def swap_in(self, seq_ids, contents) -> np.ndarray:
+        """Bring parked sequences back with fresh device blocks; ``contents[i]`` is what
+        the manager's ``add`` takes for ``seq_ids[i]``, from the tokens' owner. A
+        prefix-caching manager finds the blocks it still caches, and those need no copy.
+        Returns (host block, device block) pairs. All or nothing: :class:`OutOfBlocks`
+        if the device pool is too small, :class:`ConfigError` for contents that do not
+        bring back what was parked."""
+        ids, contents = self._ids(seq_ids), list(contents)
         need = self.blocks_to_swap_in(ids)             # (or UnknownSequence)
-        for s in ids:
+        if len(contents) != len(ids):
+            raise ConfigError(f"swap in: one contents per sequence, got "
+                              f"{len(contents)} for {len(ids)} sequence(s)")
+        if len({is_int(c) for c in contents}) > 1:     # (the first add checks the kind)
+            raise ConfigError("swap in: give every sequence's count or every "
+                              "sequence's token ids, not both")
+        for s, c in zip(ids, contents):
             if s in self.manager:
                 raise SequenceExists(f"cannot swap in {s!r}: a running sequence has "
                                      f"its id")
+            held, given = self.swapped[s].num_tokens, _length(c)
+            if given != held:
+                raise ConfigError(f"cannot swap in {s!r}: it held {held} tokens, "
+                                  f"{given} given")
         if need > self.manager.allocator.num_free:
             raise OutOfBlocks(need, self.manager.allocator.num_free, "swap in")
         pairs = []
-        for s in ids:
+        for s, c in zip(ids, contents):
+            plan = self.manager.add(s, c)
             parked = self.swapped.pop(s)
-            plan = self.manager.add(s, parked.contents)
-            found = getattr(plan, "cached_tokens", 0) // self.manager.block_size
+            found = (parked.num_tokens - len(plan.slots)) // self.manager.block_size
             table = self.manager.block_table(s).tolist()
             pairs += zip(parked.host_blocks[found:], table[found:])
             self.host.free_n(parked.host_blocks)

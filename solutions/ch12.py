@@ -202,9 +202,7 @@ def check_orphans(impl=orphans, seed=14, runs=60, ops=60):
         seen, live = [], []
         for op in range(ops):
             if live and rng.random() < 0.4:
-                seq = live.pop(rng.randrange(len(live)))
-                seen.append(m.tokens(seq))
-                m.free(seq)
+                m.free(live.pop(rng.randrange(len(live))))   # (its tokens: in seen)
             else:
                 stem = rng.choice(stems)
                 tokens = stem[:rng.randrange(1, 13)] + [rng.randrange(50)

@@ -27,9 +27,11 @@ class Engine:
         self.m = PrefixCachingManager(BlockAllocator(num_blocks, block_size * 8, xp=np),
                                       block_size)
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.tokens: dict = {}                        # the tokens' owner, as an engine's
 
     def add(self, seq, tokens):
         plan = self.m.add(seq, tokens)
+        self.tokens[seq] = list(tokens)
         assert len(plan.slots) == len(tokens) - plan.cached_tokens >= 1
         for i, slot in enumerate(plan.slots.tolist()):
             self.pool[slot] = kv_value(tokens, plan.cached_tokens + i)
@@ -41,19 +43,25 @@ class Engine:
         for src, dst in plan.copies.tolist():
             bs = self.bs
             self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
-        for seq, slot in zip(seqs, plan.slot_mapping.tolist()):
-            toks = self.m.tokens(seq)
+        for seq, token, slot in zip(seqs, tokens, plan.slot_mapping.tolist()):
+            toks = self.tokens[seq]
+            toks.append(token)
             self.pool[slot] = kv_value(toks, len(toks) - 1)
         for seq in seqs:
             self.check(seq)
         return plan
+
+    def fork(self, parent, *children):
+        self.m.fork(parent, *children)
+        for child in children:
+            self.tokens[child] = list(self.tokens[parent])
 
     def decode(self, seq, tokens):
         for t in tokens:
             self.step([seq], [t])
 
     def check(self, seq):
-        toks = self.m.tokens(seq)
+        toks = self.tokens[seq]
         got = self.pool[self.m.slots(seq)].tolist()
         assert got == [kv_value(toks, t) for t in range(len(toks))], f"{seq} reads wrong K/V"
         self.m.audit()
@@ -128,7 +136,7 @@ def test_a_preempted_sequence_returns_to_its_own_blocks():
     e = Engine()
     e.add("a", [1, 2, 3, 4, 5])
     e.decode("a", [6, 7, 8, 9, 10, 11, 12])            # 12 tokens, 3 full blocks
-    blocks, tokens = e.m.block_table("a").tolist(), e.m.tokens("a")
+    blocks, tokens = e.m.block_table("a").tolist(), e.tokens["a"]
     e.m.free("a")                                      # preempted
     plan = e.add("a", tokens)                          # back: all but the last block hit
     assert plan.cached_tokens == 8
@@ -193,10 +201,11 @@ def test_admission_that_does_not_fit_changes_nothing():
 def test_forks_share_and_cache_their_blocks():
     e = Engine()
     e.add("p", [1, 2, 3, 4, 5, 6])
-    e.m.fork("p", "q")
+    e.fork("p", "q")
     e.step(["p", "q"], [7, 70])                        # q copies the shared partial block
     e.step(["p", "q"], [8, 80])                        # both blocks full now, both cached
-    assert e.m.tokens("q") == [1, 2, 3, 4, 5, 6, 70, 80]
+    assert e.tokens["q"] == [1, 2, 3, 4, 5, 6, 70, 80]
+    assert e.m._tail["q"] == [] and len(e.m._hashes["q"]) == 2   # named, ids let go
     e.m.free("p")
     e.m.free("q")
     assert e.add("r", [1, 2, 3, 4, 5, 6, 70, 80, 1]).cached_tokens == 8
@@ -226,8 +235,12 @@ def test_audit_catches_a_wrong_cache_entry():
         e.m.audit()
     e.m.cache._entry[block] = entry
     e.m.audit()
-    e.m._tokens["a"][2] = 9                            # the sequence now says other tokens
-    with pytest.raises(AuditError, match="cached for other tokens"):
+    e.m._serials["a"][0] += 1                          # its chain now names another entry
+    with pytest.raises(AuditError, match="cached as another entry"):
+        e.m.audit()
+    e.m._serials["a"][0] -= 1
+    e.m._tail["a"].append(9)                           # an id without K/V
+    with pytest.raises(AuditError, match="keeps 2 ids of its last block"):
         e.m.audit()
 
 

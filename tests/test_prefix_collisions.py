@@ -56,9 +56,11 @@ class Executor:
             alloc = fast.BlockAllocator(num_blocks, block_size * 8, xp=np)
             self.m = fast_prefix.PrefixCachingManager(alloc, block_size)
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.tokens: dict = {}                        # the tokens' owner, as an engine's
 
     def add(self, seq, tokens):
         plan = self.m.add(seq, tokens)
+        self.tokens[seq] = list(tokens)
         for i, slot in enumerate(plan.slots.tolist()):
             self.pool[slot] = kv_value(tokens, plan.cached_tokens + i)
         self.check(seq)
@@ -69,23 +71,29 @@ class Executor:
         bs = self.bs
         for src, dst in plan.copies.tolist():
             self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
-        for seq, slot in zip(seqs, plan.slot_mapping.tolist()):
-            toks = self.m.tokens(seq)
+        for seq, token, slot in zip(seqs, tokens, plan.slot_mapping.tolist()):
+            toks = self.tokens[seq]
+            toks.append(token)
             self.pool[slot] = kv_value(toks, len(toks) - 1)
         for seq in seqs:
             self.check(seq)
 
     def append(self, seq, tokens):
         plan = self.m.append(seq, tokens)
-        bs, toks = self.bs, self.m.tokens(seq)
+        bs, toks = self.bs, self.tokens[seq]
+        toks.extend(tokens)
         for src, dst in plan.copies.tolist():
             self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
         for i, slot in enumerate(plan.slots.tolist()):
             self.pool[slot] = kv_value(toks, len(toks) - len(tokens) + i)
         self.check(seq)
 
+    def fork(self, parent, child):
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
     def check(self, seq):
-        toks = self.m.tokens(seq)
+        toks = self.tokens[seq]
         got = self.pool[self.m.slots(seq)].tolist()
         assert got == [kv_value(toks, t) for t in range(len(toks))], f"{seq} reads wrong K/V"
         self.m.audit()
@@ -178,7 +186,7 @@ def test_random_calls_under_a_weak_hash_read_their_own_kv(monkeypatch, path, see
                 e.append(rng.choice(live), [rng.randrange(3) for _ in range(rng.randint(1, 4))])
             elif r < 0.8:
                 names += 1
-                e.m.fork(rng.choice(live), names)
+                e.fork(rng.choice(live), names)
                 live.append(names)
             else:
                 e.m.free(live.pop(rng.randrange(len(live))))

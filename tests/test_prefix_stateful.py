@@ -323,9 +323,10 @@ class PrefixMachine(RuleBasedStateMachine):
         group = data.draw(st.lists(st.sampled_from(sorted(self.parked)), min_size=1,
                                    max_size=3, unique=True))
         need = sum(len(self.parked[s][1]) for s in group)
+        contents = [self.parked[s][0] for s in group]    # the model owns the tokens
         if need > self.free_now():
             try:
-                self.swapper.swap_in(group)
+                self.swapper.swap_in(group, contents)
             except OutOfBlocks:
                 COUNTS["out_of_blocks"] += 1
                 return
@@ -337,7 +338,7 @@ class PrefixMachine(RuleBasedStateMachine):
             for h in hb:
                 h[0] -= 1
                 self.host_free += h[0] == 0
-        pairs = self.swapper.swap_in(group)
+        pairs = self.swapper.swap_in(group, contents)
         assert len(pairs) == sum(len(self.blocks[s]) - found[s] // BLOCK_SIZE for s in group)
         copy_to_device(self.host, self.pool, pairs)
         for s in group:

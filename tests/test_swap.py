@@ -48,7 +48,7 @@ class Device:
     def add(self, seq, tokens):
         self.tokens[seq] = list(tokens)
         plan = self.m.add(seq, tokens if self.prefix else len(tokens))
-        self.write(seq, plan.slots, getattr(plan, "cached_tokens", 0))
+        self.write(seq, plan.slots, len(tokens) - len(plan.slots))
         self.check(seq)
 
     def step(self, seqs, new_tokens):
@@ -75,7 +75,8 @@ class Device:
         return pairs
 
     def swap_in(self, seqs):
-        pairs = self.swapper.swap_in(seqs)
+        contents = [self.tokens[s] if self.prefix else len(self.tokens[s]) for s in seqs]
+        pairs = self.swapper.swap_in(seqs, contents)
         copy_to_device(self.host, self.pool, pairs)
         for s in seqs:
             self.check(s)
@@ -171,12 +172,20 @@ def test_misuse():
     with pytest.raises(DuplicateSequence):
         d.swapper.swap_out(["a", "a"])
     with pytest.raises(UnknownSequence, match="not swapped out"):
-        d.swapper.swap_in(["a"])
+        d.swapper.swap_in(["a"], [3])
     d.swap_out(["a"])
+    with pytest.raises(ConfigError, match="held 3 tokens, 2 given"):
+        d.swapper.swap_in(["a"], [2])                 # the owner's tokens decide, checked
+    with pytest.raises(ConfigError, match="one contents per sequence"):
+        d.swapper.swap_in(["a"], [])
+    with pytest.raises(ConfigError, match="token ids"):
+        d.swapper.swap_in(["a"], [[1, 2.5, 3]])
+    with pytest.raises(ConfigError, match="takes counts|number of tokens|non-negative"):
+        d.swapper.swap_in(["a"], [[1, 2, 3]])         # ids to the plain manager
     d.add("a2", [4])
     d.m.add("a", 2)                                   # a new sequence took the name
     with pytest.raises(SequenceExists, match="running sequence"):
-        d.swapper.swap_in(["a"])
+        d.swapper.swap_in(["a"], [3])
     with pytest.raises(ConfigError, match="cannot hold"):
         Swapper(d.m, HostPool(4, BLOCK_BYTES * 2, pinned=False))
     assert d.host.num_used == 1                       # nothing changed by the failures

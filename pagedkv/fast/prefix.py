@@ -32,7 +32,7 @@ from ..checks import bad_token_ids, cdiv
 from ..errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
 from ..manager import Plan
 from .. import prefix_cache
-from ..prefix_cache import PrefillPlan, Prompt
+from ..prefix_cache import PrefillPlan, Prompt, not_a_count
 from .allocator import BlockAllocator
 from .manager import KVCacheManager
 
@@ -178,19 +178,61 @@ class CachedBlocks(prefix_cache.CachedBlocks):
                 raise AuditError(f"idle block {block} is not cached with one owner")
 
 
-class PrefixCachingManager(KVCacheManager):
-    """The fast :class:`~pagedkv.fast.KVCacheManager` whose full blocks are cached by
-    content: the calls of :class:`pagedkv.prefix_cache.PrefixCachingManager`."""
+class PrefixCachingManager:
+    """The fast :class:`~pagedkv.fast.KVCacheManager` (``pages``) over a pool whose full
+    blocks are cached by content: the calls of
+    :class:`pagedkv.prefix_cache.PrefixCachingManager` (not a ``KVCacheManager``, for the
+    teaching one's reason)."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, *, caching: bool = True,
                  max_seqs: int = 64, max_seq_len: int = 64):
-        super().__init__(allocator, block_size, max_seqs=max_seqs, max_seq_len=max_seq_len)
-        self.allocator = self.cache = CachedBlocks(allocator)
+        self.pages = KVCacheManager(allocator, block_size, max_seqs=max_seqs,
+                                    max_seq_len=max_seq_len)   # (which checks the pool)
+        self.allocator = self.cache = self.pages.allocator = CachedBlocks(allocator)
+        self.block_size, self.token_bytes = self.pages.block_size, self.pages.token_bytes
         self.caching = bool(caching)
-        self._tokens: dict = {}       # sequence id -> its token ids (a list)
+        self._tail: dict = {}         # sequence id -> ids of its partly filled last block
         self._hashes: dict = {}       # sequence id -> hashes of its full blocks, in order
         self._serials: dict = {}      # sequence id -> serials of its chain (the teaching
         #                               manager's: an entry's, or None, per full block)
+
+    # -------------------------------------------------------------- the lookups of pages
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self.pages
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    @property
+    def seq_ids(self) -> list:
+        return self.pages.seq_ids
+
+    def num_tokens(self, seq_id) -> int:
+        return self.pages.num_tokens(seq_id)
+
+    def block_table(self, seq_id) -> np.ndarray:
+        return self.pages.block_table(seq_id)
+
+    def page_table(self, seq_id):
+        return self.pages.page_table(seq_id)
+
+    def slot(self, seq_id, token: int) -> int:
+        return self.pages.slot(seq_id, token)
+
+    def slots(self, seq_id) -> np.ndarray:
+        return self.pages.slots(seq_id)
+
+    def blocks_needed(self, seq_id, n: int = 1) -> int:
+        return self.pages.blocks_needed(seq_id, n)
+
+    def can_append(self, seq_id, n: int = 1) -> bool:
+        return self.pages.can_append(seq_id, n)
+
+    def stats(self):
+        return self.pages.stats()
+
+    def __repr__(self) -> str:
+        return repr(self.pages).replace("KVCacheManager", "PrefixCachingManager", 1)
 
     # -------------------------------------------------------------- finding a prefix
     def _chain(self, data, full: int) -> list[int]:
@@ -262,8 +304,9 @@ class PrefixCachingManager(KVCacheManager):
 
     # -------------------------------------------------------------- growing
     def add(self, seq_id, tokens) -> PrefillPlan:
-        self._check_new(seq_id, "sequence")
-        ids, hashes = self._prompt_ids(tokens)
+        p = self.pages
+        p._check_new(seq_id, "sequence")
+        ids, hashes = self._prompt_ids(not_a_count(tokens, "add"))
         if not len(ids):
             raise ConfigError("add needs at least one token (the last one's logits choose "
                               "the next)")
@@ -274,30 +317,32 @@ class PrefixCachingManager(KVCacheManager):
         if need > cache.num_free:
             raise OutOfBlocks(need, cache.num_free, f"add {seq_id!r}")
         cache.take(hits)
-        row = len(self._ids)
-        self._grow_rows(row + 1)
-        self._ids.append(seq_id)
-        self._row_of[seq_id] = row
-        self._grow_cols(n)
-        self._tables[row, :n] = hits
-        self._lens[row] = n * bs
-        self._tokens[seq_id] = ids                 # a list when it grows (see _ids_of)
+        row = len(p._ids)
+        p._grow_rows(row + 1)
+        p._ids.append(seq_id)
+        p._row_of[seq_id] = row
+        p._grow_cols(n)
+        p._tables[row, :n] = hits
+        p._lens[row] = n * bs
+        full = len(ids) // bs
+        self._tail[seq_id] = ids[full * bs:].tolist()
         self._hashes[seq_id] = list(hashes)
         self._serials[seq_id] = [cache._entry[b].serial for b in hits]
-        plan = self._grow(row, len(ids) - n * bs, fresh, -1) if fresh else self._empty_plan()
+        plan = p._grow(row, len(ids) - n * bs, fresh, -1) if fresh else self._empty_plan()
         if self.caching:                        # name the new full blocks, in order
-            self._name(self._tables[row], seq_id, n, data)
+            self._name(p._tables[row], seq_id, n, data[n * 8 * bs:])
         return PrefillPlan(plan.slots, plan.copies, n * bs)
 
     def _name(self, table, seq_id, first: int, data) -> None:
         """Insert blocks ``first ..`` of a row into the cache, under their hashes, each
         the child of the entry the sequence holds for the blocks before it (the teaching
-        ``_cache_full_blocks``' rule)."""
+        ``_cache_full_blocks``' rule). ``data``: their int64 bytes, from block ``first``.
+        """
         bs8, cache = 8 * self.block_size, self.cache
         hashes, serials = self._hashes[seq_id], self._serials[seq_id]
         for j in range(first, len(hashes)):
-            serials.append(cache.insert(int(table[j]), hashes[j],
-                                        bytes(data[j * bs8:(j + 1) * bs8]),
+            at = (j - first) * bs8
+            serials.append(cache.insert(int(table[j]), hashes[j], bytes(data[at:at + bs8]),
                                         serials[j - 1] if j else 0,
                                         hashes[j - 1] if j else 0))
 
@@ -305,92 +350,82 @@ class PrefixCachingManager(KVCacheManager):
     def _empty_plan() -> Plan:
         return Plan(_NO_BLOCKS.copy(), np.zeros((0, 2), dtype=np.int32))
 
-    def _ids_of(self, seq_id) -> list:
-        """The sequence's token ids as a list of Python ints. A prompt is kept as its
-        array until the sequence grows (its list costs microseconds that an admission
-        need not pay)."""
-        tokens = self._tokens[seq_id]
-        if type(tokens) is not list:
-            tokens = self._tokens[seq_id] = tokens.tolist()
-        return tokens
-
     def append(self, seq_id, tokens):
-        self._row(seq_id)                          # an unknown id is reported first
-        ids = _token_array(tokens)
+        self.pages._row(seq_id)                    # an unknown id is reported first
+        ids = _token_array(not_a_count(tokens, "append"))
         if not len(ids):
             raise ConfigError("append needs at least one token")
-        plan = super().append(seq_id, len(ids))
-        self._ids_of(seq_id).extend(ids.tolist())
+        plan = self.pages.append(seq_id, len(ids))
+        self._tail[seq_id] += ids.tolist()
         self._cache_full_blocks(seq_id)
         return plan
 
     def step(self, seq_ids=None, tokens=None):
         ids = self.seq_ids if seq_ids is None else list(seq_ids)
         try:
-            new = _token_array(tokens).tolist()
+            new = _token_array(not_a_count(tokens, "step")).tolist()
             if len(new) != len(ids):
                 raise ConfigError(f"step: one token per sequence, got {len(new)} "
                                   f"token(s) for {len(ids)} sequence(s)")
         except ConfigError:
             for seq_id in ids:                     # an unknown id is reported first
-                self._row(seq_id)
+                self.pages._row(seq_id)
             raise
-        plan = super().step(ids)
-        bs, ids_of = self.block_size, self._ids_of
+        plan = self.pages.step(ids)
+        bs, tails = self.block_size, self._tail
         for seq_id, token in zip(ids, new):
-            toks = ids_of(seq_id)
-            toks.append(token)
-            if len(toks) % bs == 0:
+            tail = tails[seq_id]
+            tail.append(token)
+            if len(tail) == bs:
                 self._cache_full_blocks(seq_id)
         return plan
 
     def _cache_full_blocks(self, seq_id) -> None:
-        """Name (and cache) each full block of the sequence that is not named yet."""
-        if not self.caching:
-            return
-        bs, hashes, tokens = self.block_size, self._hashes[seq_id], self._ids_of(seq_id)
-        first, full = len(hashes), len(tokens) // bs
-        if first == full:
-            return
-        data = memoryview(np.array(tokens[:full * bs], dtype=np.int64)).cast("B")
-        h = hashes[-1] if hashes else 0
-        for start in range(first * 8 * bs, full * 8 * bs, 8 * bs):
-            h = _hash(data[start:start + 8 * bs], h)
-            hashes.append(h)
-        self._name(self._tables[self._row_of[seq_id]], seq_id, first, data)
+        """Name (and cache) each block the sequence's tail of ids fills; keep the rest."""
+        bs, tail = self.block_size, self._tail[seq_id]
+        full = len(tail) // bs * bs
+        if self.caching and full:
+            hashes = self._hashes[seq_id]
+            first = len(hashes)
+            data = memoryview(np.array(tail[:full], dtype=np.int64)).cast("B")
+            h = hashes[-1] if hashes else 0
+            for start in range(0, full * 8, 8 * bs):
+                h = _hash(data[start:start + 8 * bs], h)
+                hashes.append(h)
+            self._name(self.pages._tables[self.pages._row_of[seq_id]], seq_id, first, data)
+        del tail[:full]
 
     # -------------------------------------------------------------- forking and freeing
     def fork(self, parent, *children) -> None:
-        super().fork(parent, *children)
+        self.pages.fork(parent, *children)
         for child in children:
-            self._tokens[child] = list(self._ids_of(parent))
+            self._tail[child] = list(self._tail[parent])
             self._hashes[child] = list(self._hashes[parent])
             self._serials[child] = list(self._serials[parent])
 
     def free(self, seq_id) -> None:
         """Release the sequence's blocks, the last one first (see the teaching manager).
         """
-        blocks = self._blocks(self._row(seq_id))
+        p = self.pages
+        blocks = p._blocks(p._row(seq_id))
         blocks[:] = blocks[::-1].copy()            # the row is dropped next: only the order
-        super().free(seq_id)                        # in which its blocks are given back moves
-        del self._tokens[seq_id], self._hashes[seq_id], self._serials[seq_id]
+        p.free(seq_id)                             # in which its blocks are given back moves
+        del self._tail[seq_id], self._hashes[seq_id], self._serials[seq_id]
 
     def audit(self) -> None:
-        super().audit()
+        self.pages.audit()
         bs = self.block_size
-        for seq_id in self._ids:
-            tokens = self._ids_of(seq_id)
-            if len(tokens) != self.num_tokens(seq_id):
-                raise AuditError(f"sequence {seq_id!r} has {self.num_tokens(seq_id)} tokens "
-                                 f"of K/V but {len(tokens)} token ids")
-            table = self.block_table(seq_id).tolist()
-            for j, block in enumerate(table[:len(tokens) // bs]):
+        for seq_id in self.seq_ids:
+            n, tail = self.num_tokens(seq_id), self._tail[seq_id]
+            if len(tail) != n % bs:
+                raise AuditError(f"sequence {seq_id!r} has {n} tokens of K/V but keeps "
+                                 f"{len(tail)} ids of its last block")
+            serials = self._serials[seq_id]
+            if self.caching and len(serials) != n // bs:
+                raise AuditError(f"sequence {seq_id!r} has {n // bs} full blocks but a "
+                                 f"chain of {len(serials)}")
+            for block, serial in zip(self.block_table(seq_id).tolist(), serials):
                 entry = self.cache._entry.get(block)
-                if entry is not None and entry.tokens != np.array(
-                        tokens[j * bs:(j + 1) * bs], dtype=np.int64).tobytes():
-                    raise AuditError(f"block {block} is cached for other tokens than the "
-                                     f"ones sequence {seq_id!r} holds in it")
-
-    def tokens(self, seq_id) -> list:
-        self._row(seq_id)
-        return list(self._ids_of(seq_id))
+                if entry is not None and entry.serial != serial:
+                    raise AuditError(f"block {block} is cached as another entry than the "
+                                     f"one sequence {seq_id!r} holds in it")

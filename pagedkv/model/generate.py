@@ -18,7 +18,9 @@ parallel samples (the prompt is prefilled once and forked ``n`` ways) or beam se
 copy-on-write copies the partly filled last block of a forked beam when it is first written).
 
 Every sequence's list of tokens ends with its *pending* token: sampled, but its K/V not yet in the
-cache. The manager counts only the tokens whose K/V are in the cache.
+cache. The manager counts only the tokens whose K/V are in the cache. The sequence is its tokens'
+one owner: the manager keeps only the ids of a partly filled block (a full one it names by their
+hash), and a swapped-out sequence's come back from here.
 """
 from __future__ import annotations
 

@@ -180,7 +180,8 @@ class Scheduling:
             free = self.manager.allocator.num_free
             if need > free or live + len(ids) > self.max_seqs:
                 break
-            pairs.append(self.swapper.swap_in(ids))
+            # (all but each sequence's pending token: their K/V were swapped out)
+            pairs.append(self.swapper.swap_in(ids, [s.tokens[:-1] for s in req.live]))
             self.swapped.popleft()
             self.running.append(req)
         if pairs:

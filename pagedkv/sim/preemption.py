@@ -68,7 +68,7 @@ class SwapPolicy(PagedPolicy):
         need = cdiv(length + 1, self.block_size)      # its tokens and the next one
         if need + self.watermark_blocks > self.manager.allocator.num_free:
             return False
-        self.pending_in.append(self.swapper.swap_in([req.rid]))
+        self.pending_in.append(self.swapper.swap_in([req.rid], [length]))
         self.allocations += cdiv(length, self.block_size)
         return True
 
