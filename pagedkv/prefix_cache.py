@@ -229,25 +229,10 @@ class Prompt(NamedTuple):
                       self.block_size)
 
 
-class PrefixCachingManager:
-    """Chapter 5's manager (``pages``) over a pool whose full blocks are cached by
-    content. ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots
-    will hold, so it is not a :class:`~pagedkv.manager.KVCacheManager`; it answers the
-    same lookups. With ``caching=False`` nothing is ever cached or found."""
+class PagesLookups:
+    """The lookups a prefix-caching manager answers as its manager ``pages`` does (shared by
+    the teaching and the fast one)."""
 
-    def __init__(self, allocator, block_size: int, *, caching: bool = True):
-        need_teaching_allocator(self, allocator)
-        self.pages = KVCacheManager(allocator, block_size)   # (which checks the pool)
-        self.allocator = self.cache = self.pages.allocator = CachedBlocks(allocator)
-        self.block_size = self.pages.block_size
-        self.token_bytes = self.pages.token_bytes
-        self.caching = bool(caching)
-        self._tail: dict = {}         # sequence id -> ids of its partly filled block
-        self._hashes: dict = {}       # sequence id -> hashes of its full blocks
-        self._serials: dict = {}      # sequence id -> for each full block, the serial
-        #                               of the entry holding its tokens so far, or None
-
-    # -------------------------------------------------------------- pages' lookups
     def __contains__(self, seq_id) -> bool:
         return seq_id in self.pages
 
@@ -257,9 +242,6 @@ class PrefixCachingManager:
     @property
     def seq_ids(self) -> list:
         return self.pages.seq_ids
-
-    def _table(self, seq_id) -> PageTable:
-        return self.pages._table(seq_id)
 
     def num_tokens(self, seq_id) -> int:
         return self.pages.num_tokens(seq_id)
@@ -287,6 +269,28 @@ class PrefixCachingManager:
 
     def __repr__(self) -> str:
         return repr(self.pages).replace("KVCacheManager", "PrefixCachingManager", 1)
+
+
+class PrefixCachingManager(PagesLookups):
+    """Chapter 5's manager (``pages``) over a pool whose full blocks are cached by
+    content. ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots
+    will hold, so it is not a :class:`~pagedkv.manager.KVCacheManager`; it answers the
+    same lookups. With ``caching=False`` nothing is ever cached or found."""
+
+    def __init__(self, allocator, block_size: int, *, caching: bool = True):
+        need_teaching_allocator(self, allocator)
+        self.pages = KVCacheManager(allocator, block_size)   # (which checks the pool)
+        self.allocator = self.cache = self.pages.allocator = CachedBlocks(allocator)
+        self.block_size = self.pages.block_size
+        self.token_bytes = self.pages.token_bytes
+        self.caching = bool(caching)
+        self._tail: dict = {}         # sequence id -> ids of its partly filled block
+        self._hashes: dict = {}       # sequence id -> hashes of its full blocks
+        self._serials: dict = {}      # sequence id -> for each full block, the serial
+        #                               of the entry holding its tokens so far, or None
+
+    def _table(self, seq_id) -> PageTable:
+        return self.pages._table(seq_id)
 
     # -------------------------------------------------------------- finding a prefix
     def prompt(self, tokens) -> Prompt:

@@ -178,7 +178,7 @@ class CachedBlocks(prefix_cache.CachedBlocks):
                 raise AuditError(f"idle block {block} is not cached with one owner")
 
 
-class PrefixCachingManager:
+class PrefixCachingManager(prefix_cache.PagesLookups):
     """The fast :class:`~pagedkv.fast.KVCacheManager` (``pages``) over a pool whose full
     blocks are cached by content: the calls of
     :class:`pagedkv.prefix_cache.PrefixCachingManager` (not a ``KVCacheManager``, for the
@@ -195,44 +195,6 @@ class PrefixCachingManager:
         self._hashes: dict = {}       # sequence id -> hashes of its full blocks, in order
         self._serials: dict = {}      # sequence id -> serials of its chain (the teaching
         #                               manager's: an entry's, or None, per full block)
-
-    # -------------------------------------------------------------- the lookups of pages
-    def __contains__(self, seq_id) -> bool:
-        return seq_id in self.pages
-
-    def __len__(self) -> int:
-        return len(self.pages)
-
-    @property
-    def seq_ids(self) -> list:
-        return self.pages.seq_ids
-
-    def num_tokens(self, seq_id) -> int:
-        return self.pages.num_tokens(seq_id)
-
-    def block_table(self, seq_id) -> np.ndarray:
-        return self.pages.block_table(seq_id)
-
-    def page_table(self, seq_id):
-        return self.pages.page_table(seq_id)
-
-    def slot(self, seq_id, token: int) -> int:
-        return self.pages.slot(seq_id, token)
-
-    def slots(self, seq_id) -> np.ndarray:
-        return self.pages.slots(seq_id)
-
-    def blocks_needed(self, seq_id, n: int = 1) -> int:
-        return self.pages.blocks_needed(seq_id, n)
-
-    def can_append(self, seq_id, n: int = 1) -> bool:
-        return self.pages.can_append(seq_id, n)
-
-    def stats(self):
-        return self.pages.stats()
-
-    def __repr__(self) -> str:
-        return repr(self.pages).replace("KVCacheManager", "PrefixCachingManager", 1)
 
     # -------------------------------------------------------------- finding a prefix
     def _chain(self, data, full: int) -> list[int]:
