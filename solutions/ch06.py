@@ -11,17 +11,11 @@ from pagedkv import sim
 __all__ = ["preempt_longest", "expected_length"]
 
 
-def preempt_longest(queue, batch, policy, watch, step: int) -> None:
-    """Preemption by recomputation of the running request with the most tokens
-    (the newest of equally long ones): it gives back the most memory at once. It
-    goes back to the head of the queue with all its tokens, as with
-    :func:`pagedkv.sim.recompute`."""
-    i = len(batch) - 1 - int(np.argmax(batch.lens[::-1]))  # the last of the longest
-    req, length = batch.reqs.pop(i), int(batch.lens[i])
-    batch.lens, batch.finals = np.delete(batch.lens, i), np.delete(batch.finals, i)
-    policy.release(req.rid)
-    queue.waiting.appendleft((req, length))
-    watch.preempted(step, req.rid, length)
+def preempt_longest(batch) -> int:
+    """Whom preemption takes: the running request with the most tokens (the newest of
+    equally long ones), which gives back the most memory at once. A drop-in for
+    :func:`pagedkv.sim.newest`: the index of that request in ``batch``."""
+    return len(batch) - 1 - int(np.argmax(batch.lens[::-1]))  # the last of the longest
 
 
 def _lognormal_cdf(x: float, mu: float, sigma: float) -> float:
@@ -45,50 +39,27 @@ def expected_length(spec) -> float:
 
 
 # ------------------------------------------------------------------------------------ checks
-class _Watch:
-    def __init__(self):
-        self.calls = []
-
-    def preempted(self, step, rid, length):
-        self.calls.append((step, rid, length))
-
-
-class _Policy:
-    def __init__(self):
-        self.released = []
-
-    def release(self, rid):
-        self.released.append(rid)
-
-
 def check_preempt_longest(impl=preempt_longest, seed=4, trials=300):
-    """By hand on random batches (which request leaves, where it goes, what is released and
-    told), then inside ``serve`` with every token written and verified, against a spy that
-    checks each preempted request was the longest running."""
+    """By hand on random batches (which request it names, the batch left as it was), then
+    inside ``serve`` with every token written and verified, against a spy that checks each
+    preempted request was the longest running."""
     print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
-        batch, queue = sim.Running(), sim.Queue([])
+        batch = sim.Running()
         reqs = [sim.Request(rid, 0, 1, 50) for rid in range(rng.randrange(1, 9))]
         for r in reqs:
             batch.add(r, rng.randrange(1, 8))        # few lengths: ties happen
-        queue.waiting.append(("someone waiting", 3))
         lens = batch.lens.tolist()
-        want = max(range(len(lens)), key=lambda i: (lens[i], i))     # the newest of the longest
-        policy, watch = _Policy(), _Watch()
-        impl(queue, batch, policy, watch, 17)
-        gone = reqs[want]
-        assert batch.ids == [r.rid for r in reqs if r is not gone], (lens, batch.ids)
-        assert batch.lens.tolist() == lens[:want] + lens[want + 1:]
-        assert batch.finals.tolist() == [r.total for r in reqs if r is not gone]
-        assert list(queue.waiting) == [(gone, lens[want]), ("someone waiting", 3)]
-        assert policy.released == [gone.rid] and watch.calls == [(17, gone.rid, lens[want])]
+        want = max(range(len(lens)), key=lambda i: (lens[i], i))  # the newest of the longest
+        got = impl(batch)
+        assert got == want, (lens, got, want)
+        assert batch.lens.tolist() == lens and batch.ids == [r.rid for r in reqs]
 
-    def spy(queue, batch, policy, watch, step):
-        before = dict(zip(batch.ids, batch.lens.tolist()))
-        impl(queue, batch, policy, watch, step)
-        (gone,) = set(before) - set(batch.ids)
-        assert before[gone] == max(before.values()), "a shorter request was preempted"
+    def spy(batch):
+        i = impl(batch)
+        assert batch.lens[i] == batch.lens.max(), "a shorter request was preempted"
+        return i
 
     workload = sim.make_workload("chat", n=40, seed=seed, rate=2.0)
     policy = sim.PagedPolicy(sim.MiB, 16, write=True, max_len=workload.max_len)
@@ -115,31 +86,16 @@ def check_expected_length(impl=expected_length, seed=0, n=200_000):
 
 
 # ---------------------------------------------------- wrong answers the checks must reject
-def _preempt_shortest(queue, batch, policy, watch, step):
-    i = int(np.argmin(batch.lens))
-    req, length = batch.reqs.pop(i), int(batch.lens[i])
-    batch.lens, batch.finals = np.delete(batch.lens, i), np.delete(batch.finals, i)
-    policy.release(req.rid)
-    queue.waiting.appendleft((req, length))
-    watch.preempted(step, req.rid, length)
+def _preempt_shortest(batch):
+    return int(np.argmin(batch.lens))
 
 
-def _preempt_longest_to_the_back(queue, batch, policy, watch, step):
-    i = len(batch) - 1 - int(np.argmax(batch.lens[::-1]))
-    req, length = batch.reqs.pop(i), int(batch.lens[i])
-    batch.lens, batch.finals = np.delete(batch.lens, i), np.delete(batch.finals, i)
-    policy.release(req.rid)
-    queue.waiting.append((req, length))              # behind everyone who waits
-    watch.preempted(step, req.rid, length)
+def _preempt_oldest_of_the_longest(batch):
+    return int(np.argmax(batch.lens))
 
 
-def _preempt_oldest_of_the_longest(queue, batch, policy, watch, step):
-    i = int(np.argmax(batch.lens))
-    req, length = batch.reqs.pop(i), int(batch.lens[i])
-    batch.lens, batch.finals = np.delete(batch.lens, i), np.delete(batch.finals, i)
-    policy.release(req.rid)
-    queue.waiting.appendleft((req, length))
-    watch.preempted(step, req.rid, length)
+def _preempt_longest_final(batch):
+    return len(batch) - 1 - int(np.argmax(batch.finals[::-1]))
 
 
 def _mean_unclipped(spec):
@@ -154,7 +110,7 @@ def _mean_without_the_sigma_shift(spec):
 
 
 WRONG = {
-    "preempt_longest": [sim.recompute, _preempt_shortest, _preempt_longest_to_the_back,
-                        _preempt_oldest_of_the_longest],
+    "preempt_longest": [sim.newest, _preempt_shortest, _preempt_oldest_of_the_longest,
+                        _preempt_longest_final],
     "expected_length": [_mean_unclipped, _mean_without_the_sigma_shift],
 }

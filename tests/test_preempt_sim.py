@@ -8,7 +8,7 @@ import pytest
 from pagedkv import ConfigError, sim
 from pagedkv.sim import preemption
 from pagedkv.sim.preemption import (ReservePolicy, SwapPolicy, compare_preemption,
-                                    preemption_table, swap)
+                                    preemption_table)
 
 SEED = 20261201
 TB = sim.SIM_SPEC.bytes_per_token      # 512 bytes of K/V per token
@@ -34,7 +34,7 @@ def test_swap_preempts_restores_and_recomputes_nothing():
     wl = _wl([(0, 4, 8), (0, 4, 8), (0, 4, 8)])
     policy = _swap(6, 4, 8, write=True)
     probe = sim.ManagerProbe(policy.manager, audit_every=1)
-    run = sim.serve(wl, policy, max_seqs=3, observers=[probe], preempt=swap)
+    run = sim.serve(wl, policy, max_seqs=3, observers=[probe])
     assert run.preemptions > 0 and run.recomputed_tokens == 0
     assert run.prefill_tokens == 3 * 4                     # every prompt prefilled once
     assert run.completions == 3 and run.tokens_generated == 24
@@ -47,7 +47,7 @@ def test_swap_preempts_restores_and_recomputes_nothing():
 def test_swap_falls_back_to_recompute_when_the_host_is_full():
     wl = _wl([(0, 4, 8), (0, 4, 8), (0, 4, 8)])
     policy = _swap(6, 4, 1, write=True)                    # one host block: never enough
-    run = sim.serve(wl, policy, max_seqs=3, preempt=swap)
+    run = sim.serve(wl, policy, max_seqs=3)
     assert run.preemptions > 0 and run.recomputed_tokens > 0
     assert policy.swapper.blocks_out == 0
     assert run.prefill_tokens == 3 * 4 + run.recomputed_tokens
@@ -59,7 +59,7 @@ def test_swap_catches_a_lost_copy(monkeypatch):
     monkeypatch.setattr(preemption, "copy_to_device", lambda host, device, pairs: None)
     wl = _wl([(0, 4, 8), (0, 4, 8), (0, 4, 8)])
     policy = _swap(6, 4, 8, write=True)
-    run = sim.serve(wl, policy, max_seqs=3, preempt=swap)
+    run = sim.serve(wl, policy, max_seqs=3)
     assert run.preemptions > 0 and run.corrupted_tokens > 0
 
 
@@ -82,7 +82,7 @@ def test_one_copy_each_way_per_step(monkeypatch):
     recorder = Steps()
     wl = sim.make_workload("default", n=40, seed=SEED, rate=1.0)
     policy = _swap(64, 16, 512, write=True)
-    run = sim.serve(wl, policy, max_seqs=32, observers=[recorder], preempt=swap)
+    run = sim.serve(wl, policy, max_seqs=32, observers=[recorder])
     assert run.preemptions > 5 and run.corrupted_tokens == 0
     assert {n for _, n in calls} == {"copy_to_host", "copy_to_device"}
     assert len(calls) == len(set(calls)), "two copies the same way in one step"

@@ -149,6 +149,17 @@ class CheckedKV:
         self._write(plan.slots, np.full(n, sid), np.arange(n))
         return plan
 
+    def append(self, sid: int, n: int):
+        """``n`` more tokens of a sequence's prefill, written (or :class:`OutOfBlocks`)."""
+        start = self.manager.num_tokens(sid)
+        plan = self.manager.append(sid, n)
+        self._copy(plan.copies)
+        segs = self._segments[sid]
+        if segs[-1][1] != sid:
+            segs.append((start, sid))
+        self._write(plan.slots, np.full(n, sid), np.arange(start, start + n))
+        return plan
+
     def fork(self, parent: int, *children: int) -> None:
         self.manager.fork(parent, *children)
         for c in children:

@@ -32,9 +32,14 @@ class Policy:
     * ``admit(req, length)`` places a request that starts with ``length`` tokens (its
       prompt, or all it had when it was preempted); False if it does not fit now.
       ``prefill(req, length)`` says how many of them it must compute (all, by default).
+      With chunked prefill, ``admit(..., first=n)`` places only the first ``n`` tokens
+      (still checking that all of them fit, beside ``promised`` blocks owed to others),
+      and ``extend(rid, n)`` places ``n`` more later; ``owed`` counts the blocks still
+      to come.
     * ``step(ids)`` gives every running request one more token, all or nothing; False if
       the memory ran out (then the loop preempts a request and tries again).
-    * ``release(rid)`` gives a finished or preempted request's memory back.
+    * ``release(rid)`` gives a finished request's memory back; ``preempt(rid)`` a
+      preempted one's (released, by default).
 
     To measure: ``free_slots()``, ``held(ids, lens)`` (the slots each running request
     holds) and ``fragmented(req, length)`` (a refused request would fit in the free
@@ -51,11 +56,21 @@ class Policy:
     def check(self, workload) -> None:
         raise NotImplementedError
 
-    def admit(self, req: Request, length: int) -> bool:
+    def admit(self, req: Request, length: int, first: int | None = None,
+              promised: int = 0) -> bool:
         raise NotImplementedError
 
     def prefill(self, req: Request, length: int) -> int:
         return length
+
+    def extend(self, rid: int, n: int) -> bool:
+        return True
+
+    def owed(self, req: Request, placed: int, length: int) -> int:
+        return 0
+
+    def preempt(self, rid: int) -> None:
+        self.release(rid)
 
     def step(self, ids) -> bool:
         raise NotImplementedError
@@ -115,13 +130,27 @@ class PagedPolicy(Policy):
                     f"{self.block_size} tokens (pool bytes // block bytes), {wm} of them "
                     f"kept free by the {self.watermark:.0%} watermark")
 
-    def admit(self, req: Request, length: int) -> bool:
+    def admit(self, req: Request, length: int, first: int | None = None,
+              promised: int = 0) -> bool:
         need = cdiv(length + 1, self.block_size)         # its tokens and the next one
-        if need + self.watermark_blocks > self.manager.allocator.num_free:
+        if need + self.watermark_blocks + promised > self.manager.allocator.num_free:
             return False
-        self.kv.add(req.rid, length)
-        self.allocations += cdiv(length, self.block_size)
+        first = length if first is None else first
+        self.kv.add(req.rid, first)
+        self.allocations += cdiv(first, self.block_size)
         return True
+
+    def extend(self, rid: int, n: int) -> bool:
+        used = self.manager.allocator.num_used
+        try:
+            self.kv.append(rid, n)
+        except OutOfBlocks:
+            return False
+        self.allocations += self.manager.allocator.num_used - used
+        return True
+
+    def owed(self, req: Request, placed: int, length: int) -> int:
+        return cdiv(length, self.block_size) - cdiv(placed, self.block_size)
 
     def step(self, ids) -> bool:
         used = self.manager.allocator.num_used
@@ -167,8 +196,9 @@ class ReservationPolicy(Policy):
                 raise ConfigError(f"request {r.rid} reserves {self.reserve(r)} token "
                                   f"slots ({self.name}); the pool has {self.pool_slots}")
 
-    def admit(self, req: Request, length: int) -> bool:
-        n = self.reserve(req)
+    def admit(self, req: Request, length: int, first: int | None = None,
+              promised: int = 0) -> bool:
+        n = self.reserve(req)                 # (its whole range, whatever it prefills)
         start = self.space.alloc(n)
         if start is None:
             return False

@@ -1,5 +1,5 @@
-"""Preemption in the simulation: by recompute (:func:`~pagedkv.sim.serving.recompute`),
-by swap (:func:`swap` with a :class:`SwapPolicy`), or none at all
+"""Preemption in the simulation: by recompute (any :class:`~pagedkv.sim.policies.PagedPolicy`),
+by swap (a :class:`SwapPolicy`), or none at all
 (:class:`ReservePolicy` reserves each request's worst case), and the three compared on
 one trace under memory pressure.
 
@@ -19,26 +19,18 @@ from ..errors import ConfigError, OutOfBlocks
 from ..swap import HostPool, Swapper, copy_to_device, copy_to_host
 from .measure import Observer
 from .policies import PagedPolicy
-from .serving import TOKEN_BUDGET, recompute, serve
+from .serving import TOKEN_BUDGET, serve
 
-__all__ = ["swap", "SwapPolicy", "ReservePolicy", "Latency", "PreemptionRun",
+__all__ = ["SwapPolicy", "ReservePolicy", "Latency", "PreemptionRun",
            "compare_preemption", "preemption_table"]
-
-
-def swap(queue, batch, policy, watch, step: int) -> None:
-    """Preemption by swapping: the newest request's blocks go to the host pool (or, when
-    it is full, are dropped as by :func:`recompute`) and it returns to the head of the
-    queue; admitted again, it is swapped back in and prefills nothing."""
-    req, length = batch.pop_newest()
-    policy.swap_out(req.rid)
-    queue.waiting.appendleft((req, length))
-    watch.preempted(step, req.rid, length)
 
 
 class SwapPolicy(PagedPolicy):
     """Paging that preempts by swapping into a host pool of ``host_bytes``. The copies
     of a step are batched: all its swap-ins in one call, then all its swap-outs in one
-    call, made when the step runs (before any K/V of that step is written)."""
+    call, made when the step runs (before any K/V of that step is written). A preempted
+    request goes back to the head of the queue; admitted again, it is swapped back in
+    and prefills nothing."""
 
     def __init__(self, pool_bytes: int, block_size: int, *, host_bytes: int, **paged):
         super().__init__(pool_bytes, block_size, **paged)
@@ -51,6 +43,9 @@ class SwapPolicy(PagedPolicy):
         self.device = None if cache is None else cache.reshape(1, cache.shape[0], -1)
         self.pending_in, self.pending_out = [], []
 
+    def preempt(self, rid: int) -> None:
+        self.swap_out(rid)
+
     def swap_out(self, rid: int) -> None:
         """Park the request's blocks on the host; recompute instead if there is no room.
         """
@@ -62,11 +57,12 @@ class SwapPolicy(PagedPolicy):
     def prefill(self, req, length: int) -> int:
         return 0 if req.rid in self.swapper.swapped else length
 
-    def admit(self, req, length: int) -> bool:
+    def admit(self, req, length: int, first: int | None = None,
+              promised: int = 0) -> bool:
         if req.rid not in self.swapper.swapped:
-            return super().admit(req, length)
+            return super().admit(req, length, first, promised)
         need = cdiv(length + 1, self.block_size)      # its tokens and the next one
-        if need + self.watermark_blocks > self.manager.allocator.num_free:
+        if need + self.watermark_blocks + promised > self.manager.allocator.num_free:
             return False
         self.pending_in.append(self.swapper.swap_in([req.rid], [length]))
         self.allocations += cdiv(length, self.block_size)
@@ -109,9 +105,10 @@ class ReservePolicy(PagedPolicy):
                               f"pool has {self.manager.allocator.num_blocks}")
         super().check(workload)
 
-    def admit(self, req, length: int) -> bool:
+    def admit(self, req, length: int, first: int | None = None,
+              promised: int = 0) -> bool:
         if (self.reserved + self.reserve > self.manager.allocator.num_blocks
-                or not super().admit(req, length)):
+                or not super().admit(req, length, first, promised)):
             return False
         self.reserved += self.reserve
         return True
@@ -161,16 +158,14 @@ def compare_preemption(workload, pool_bytes: int, *, block_size: int = 16,
     for name in ("recompute", "swap", "reserve worst case"):
         options = dict(max_seqs=max_seqs, max_len=workload.max_len, write=write)
         if name == "swap":
-            policy, preempt = SwapPolicy(pool_bytes, block_size, host_bytes=host_bytes,
-                                         **options), swap
+            policy = SwapPolicy(pool_bytes, block_size, host_bytes=host_bytes, **options)
         elif name == "recompute":
-            policy, preempt = PagedPolicy(pool_bytes, block_size, **options), recompute
+            policy = PagedPolicy(pool_bytes, block_size, **options)
         else:
             policy = ReservePolicy(pool_bytes, block_size, **options)
-            preempt = recompute
         latency = Latency(workload)
         run = serve(workload, policy, max_seqs=max_seqs, token_budget=token_budget,
-                    observers=[latency], preempt=preempt)
+                    observers=[latency])
         moved = policy.swapper.blocks_out if name == "swap" else 0
         runs.append(PreemptionRun(name, run, latency, moved,
                                   policy.manager.allocator.block_bytes))

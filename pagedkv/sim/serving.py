@@ -1,10 +1,13 @@
 """The serving loop: continuous batching over one pool, first come, first served.
 
-:func:`serve` is the whole algorithm. It keeps requests in two places, a :class:`Queue`
-(not yet arrived, and waiting) and :class:`Running` (the running requests), and asks a
-:class:`~pagedkv.sim.policies.Policy` where their memory goes. It measures nothing
-itself: observers (:class:`~pagedkv.sim.measure.Observer`) are told what happens at four
-points: a request is admitted, a request is preempted, a step is done, a request leaves.
+:func:`serve` is the whole loop. The decisions are the :class:`~pagedkv.scheduler.Scheduler`'s,
+the one the model engine uses too: who is admitted, how the step's token budget is shared,
+who is preempted. The simulation is that scheduler with a *runner that moves no bytes*:
+a step only adds tokens to the running requests' lengths (:class:`Running`), and the memory
+the scheduler asks about is a :class:`~pagedkv.sim.policies.Policy`, seen through
+:class:`PolicyMemory`. Nothing is measured here: observers
+(:class:`~pagedkv.sim.measure.Observer`) are told what happens at four points: a request is
+admitted, a request is preempted, a step is done, a request leaves.
 """
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ import numpy as np
 
 from ..checks import positive_int
 from ..errors import ConfigError
+from ..scheduler import Memory, Scheduler
 from .measure import Observers, Recorder
 
-__all__ = ["Queue", "Running", "serve", "admit", "recompute", "TOKEN_BUDGET"]
+__all__ = ["Queue", "Running", "PolicyMemory", "serve", "newest", "TOKEN_BUDGET"]
 
 #: Tokens one step may compute, prefills and decodes together: the default of vLLM's
 #: ``max_num_batched_tokens`` (``SchedulerConfig`` in ``vllm/config/scheduler.py``).
@@ -24,21 +28,23 @@ TOKEN_BUDGET = 2048
 
 
 class Queue:
-    """Requests that do not run: those yet to arrive, in arrival order, and those
-    waiting, first come, first served, each with the tokens it starts with. A
-    preempted request goes back to the head, with all its tokens so far."""
+    """Requests that have not arrived yet, in arrival order; when their step comes they
+    join the scheduler's ``waiting`` (whose length the observers read as ``waiting``)."""
 
-    def __init__(self, requests):
+    def __init__(self, requests, waiting=None):
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival, r.rid)))
-        self.waiting = deque()                       # (request, tokens it starts with)
+        self.waiting = deque() if waiting is None else waiting
 
     def __bool__(self) -> bool:
         return bool(self.pending or self.waiting)
 
-    def arrive(self, step: int) -> None:
+    def arrive(self, step: int) -> list:
+        """Requests whose arrival step has come, moved to ``waiting``; returns them."""
+        came = []
         while self.pending and self.pending[0].arrival <= step:
-            req = self.pending.popleft()
-            self.waiting.append((req, req.prompt))
+            came.append(self.pending.popleft())
+            self.waiting.append(came[-1])
+        return came
 
     def next_arrival(self, step: int) -> int:
         if not self.pending:        # Policy.check prevents it
@@ -47,7 +53,8 @@ class Queue:
 
 
 class Running:
-    """The running requests, in admission order, with their lengths and final lengths."""
+    """The running requests, in admission order, with their lengths (tokens placed) and
+    final lengths."""
 
     def __init__(self):
         self.reqs: list = []
@@ -66,78 +73,133 @@ class Running:
         self.lens = np.append(self.lens, length)
         self.finals = np.append(self.finals, req.total)
 
-    def pop_newest(self):
-        """Take out the most recently admitted request: (request, its tokens)."""
-        req, length = self.reqs.pop(), int(self.lens[-1])
-        self.lens, self.finals = self.lens[:-1], self.finals[:-1]
-        return req, length
+    def index(self, req) -> int:
+        return next(i for i in range(len(self.reqs) - 1, -1, -1) if self.reqs[i] is req)
 
-    def remove_finished(self) -> list:
-        """Take out the requests that reached their final length; return them."""
+    def remove(self, req) -> int:
+        """Take ``req`` out; return the tokens it had."""
+        i = self.index(req)
+        length = int(self.lens[i])
+        del self.reqs[i]
+        self.lens, self.finals = np.delete(self.lens, i), np.delete(self.finals, i)
+        return length
+
+    def finished(self) -> list:
+        """The requests that reached their final length."""
         done = self.lens >= self.finals
-        if not done.any():
-            return []
-        flags = done.tolist()
-        gone = [r for r, d in zip(self.reqs, flags) if d]
-        self.reqs = [r for r, d in zip(self.reqs, flags) if not d]
-        self.lens, self.finals = self.lens[~done], self.finals[~done]
-        return gone
+        return [r for r, d in zip(self.reqs, done.tolist()) if d] if done.any() else []
 
 
-def admit(queue, batch, policy, max_seqs: int, budget: int, watch, step: int):
-    """Admit waiting requests, head first, while fewer than ``max_seqs`` run, the step's
-    token ``budget`` holds their prefill and next token (after the next token of every
-    running request), and the policy places them. Returns the refused head as
-    (request, tokens), or None."""
-    budget -= len(batch)
-    while queue.waiting and len(batch) < max_seqs:
-        req, length = queue.waiting[0]
-        prefill = policy.prefill(req, length)   # all its tokens, or none after a swap
-        if prefill + 1 > budget or not policy.admit(req, length):
-            return req, length
-        queue.waiting.popleft()
-        batch.add(req, length)
-        budget -= prefill + 1
-        watch.admitted(step, req, prefill)
-    return None
+def newest(batch: Running) -> int:
+    """Whom preemption takes first: the request admitted last (its index in ``batch``)."""
+    return len(batch) - 1
 
 
-def recompute(queue, batch, policy, watch, step: int) -> None:
-    """Preemption by recomputation: the newest request gives its memory back and
-    returns to the head of the queue; admitted again, it prefills all its tokens so
-    far again."""
-    req, length = batch.pop_newest()
-    policy.release(req.rid)
-    queue.waiting.appendleft((req, length))
-    watch.preempted(step, req.rid, length)
+class PolicyMemory(Memory):
+    """The scheduler's questions answered by a memory policy, the runner's lengths kept
+    in a :class:`Running`. A request waits with the tokens it starts with (its prompt, or
+    all it had when it was preempted); it must prefill what the policy says (all of them,
+    none after a swap). ``target`` holds, for a request whose prefill is not finished,
+    the length it decodes from."""
+
+    def __init__(self, policy, watch, batch: Running):
+        self.policy, self.watch, self.batch = policy, watch, batch
+        self.starts: dict = {}        # waiting request -> the tokens it starts with
+        self.target: dict = {}        # running, prefill unfinished -> its full length
+        self.step = 0
+
+    def to_prefill(self, req) -> int:
+        if req.rid in self.starts:
+            return self.policy.prefill(req, self.starts[req.rid])
+        if req.rid in self.target:
+            return self.target[req.rid] - int(self.batch.lens[self.batch.index(req)])
+        return 0
+
+    def owed(self, req) -> int:
+        if req.rid not in self.target:
+            return 0
+        return self.policy.owed(req, int(self.batch.lens[self.batch.index(req)]),
+                                self.target[req.rid])
+
+    def admit(self, req, n: int, promised: int) -> bool:
+        length = self.starts[req.rid]
+        prefill = self.policy.prefill(req, length)
+        first = length - prefill + n          # tokens placed now (a swap places them all)
+        if not self.policy.admit(req, length, first=first, promised=promised):
+            return False
+        del self.starts[req.rid]
+        self.batch.add(req, first)
+        if first < length:
+            self.target[req.rid] = length
+        self.watch.admitted(self.step, req, prefill)
+        return True
+
+    def prefill(self, req, n: int) -> bool:
+        if not self.policy.extend(req.rid, n):
+            return False
+        i = self.batch.index(req)
+        self.batch.lens[i] += n
+        if self.batch.lens[i] == self.target[req.rid]:
+            del self.target[req.rid]
+        return True
+
+    def grow(self, reqs) -> bool:
+        if not self.policy.step([r.rid for r in reqs]):
+            return False
+        if len(reqs) == len(self.batch):
+            self.batch.lens += 1
+        else:
+            for r in reqs:
+                self.batch.lens[self.batch.index(r)] += 1
+        return True
+
+    def preempt(self, req) -> bool:
+        length = self.batch.remove(req)
+        self.target.pop(req.rid, None)
+        self.policy.preempt(req.rid)
+        self.starts[req.rid] = length
+        self.watch.preempted(self.step, req.rid, length)
+        return False                  # it waits to be admitted again (a swap included)
 
 
 def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BUDGET,
-          observers=(), preempt=recompute):
+          chunked_prefill: bool = False, observers=(), preempt=newest):
     """Serve every request of ``workload`` with ``policy``, at most ``max_seqs`` at once
-    and ``token_budget`` tokens computed a step, ``preempt`` making room when a step runs
-    out of memory; return the :class:`Run` measured."""
+    and ``token_budget`` tokens computed a step (``chunked_prefill``: a prompt may be
+    prefilled over several steps); ``preempt(batch)`` names the running request that
+    gives its memory back when a step runs out of it. Returns the :class:`Run`
+    measured."""
     max_seqs = positive_int(max_seqs, "max_seqs")
     token_budget = positive_int(token_budget, "token_budget")
-    if workload.longest > token_budget:     # a late preemption prefills almost all of it
+    if workload.longest > token_budget and not chunked_prefill:
         raise ConfigError(f"token_budget={token_budget} cannot prefill the longest "
                           f"request ({workload.longest} tokens) after a preemption")
     policy.check(workload)                  # a request that can never fit is refused now
     recorder = Recorder(workload, policy, max_seqs)
     watch = Observers([recorder, *observers])
-    queue, batch, step = Queue(workload.requests), Running(), 0
-    while queue or batch:
-        queue.arrive(step)
-        refused = admit(queue, batch, policy, max_seqs, token_budget, watch, step)
-        if not batch:                       # nothing runs: jump to the next arrival
+    batch = Running()
+    memory = PolicyMemory(policy, watch, batch)
+    sched = Scheduler(memory, max_seqs=max_seqs, token_budget=token_budget,
+                      chunked_prefill=chunked_prefill,
+                      victim=lambda running: batch.reqs[preempt(batch)])
+    queue = Queue(workload.requests, sched.waiting)
+    step = 0
+    while queue or sched:
+        for req in queue.arrive(step):
+            memory.starts[req.rid] = req.prompt
+        memory.step = step
+        sched.prefill()
+        if not sched.running:               # nothing runs: jump to the next arrival
             step = queue.next_arrival(step)
             continue
-        while not policy.step(batch.ids):   # out of memory: preempt, then try again
-            preempt(queue, batch, policy, watch, step)
-        batch.lens += 1
+        sched.decode()
         step += 1
+        refused = None if sched.refused is None else (
+            sched.refused, memory.starts[sched.refused.rid])
         watch.stepped(step, batch, queue, refused)
-        for req in batch.remove_finished():
+        for req in batch.finished():
+            sched.finish(req)
+            batch.remove(req)
             policy.release(req.rid)
             watch.left(step, req.rid)
     watch.finished(recorder.run)

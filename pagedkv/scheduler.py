@@ -1,0 +1,233 @@
+"""The scheduler: each step, who runs and how many tokens each computes.
+
+One scheduler serves both the simulation (:func:`pagedkv.sim.serve`) and the model engine
+(:class:`pagedkv.model.generate.Engine`). It decides and touches no K/V. It keeps three
+queues of requests, each in order:
+
+* ``waiting`` — not admitted yet, first come, first served (a request preempted by
+  recompute goes back to the head);
+* ``running`` — admitted, in admission order (the newest last);
+* ``swapped`` — preempted by swapping, the oldest preemption first.
+
+and asks a *memory* (the :class:`Memory` interface below) whether and where their tokens
+fit. A step has two phases, because the tokens a prefill chooses are needed before the
+step's decode:
+
+1. :meth:`Scheduler.prefill` — swap requests back in, then hand out the step's **token
+   budget**: first one token for every sequence of every running request that decodes;
+   then prefill chunks, to the running requests whose prompt is only partly in the cache
+   (in admission order), then to waiting requests, head first, while admission says they
+   fit. A request whose prefill completes also decodes in this step, so its chunk is
+   charged that token too. With ``chunked_prefill=False`` a waiting request is admitted
+   only when all of its prefill fits in what is left (the whole prompt in one step);
+   with ``token_budget=None`` there is no budget at all.
+2. :meth:`Scheduler.decode` — one more token for every sequence of every running request
+   whose prompt is in the cache, all or nothing: while the memory runs out, the newest
+   running request is preempted (by swap or by recompute, as the memory chooses) and the
+   step is tried again.
+
+Tokens found in the prefix cache are not computed, so they are not charged: the memory's
+``to_prefill`` counts only what a request still has to compute.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from .checks import positive_int
+from .errors import AuditError, ConfigError
+
+__all__ = ["Memory", "Scheduler", "Chunk", "newest"]
+
+
+class Memory:
+    """What the scheduler asks of the memory it schedules for (the simulation's policies
+    and the engine each implement it). ``promised`` counts free blocks already promised
+    to running requests whose prefill is not finished.
+
+    * ``width(req)``: sequences the request runs at once (its decode tokens a step).
+    * ``to_prefill(req)``: tokens it must still compute before it decodes (0: it decodes).
+    * ``owed(req)``: free blocks its unfinished prefill will still take.
+    * ``admit(req, n, promised)``: place a waiting request and its first ``n`` prefill
+      tokens if all of it fits now (its whole prefill, a watermark kept); True if it did.
+    * ``prefill(req, n)``: place the next ``n`` prefill tokens of a running request;
+      False, changing nothing, if the blocks are not free.
+    * ``grow(reqs)``: one more token for every sequence of ``reqs``, all or nothing;
+      False if the blocks are not free.
+    * ``preempt(req)``: give its memory back; True if it was swapped out (it waits to be
+      swapped in), False if it must be prefilled again (it waits to be admitted).
+    * ``swap_in(req, promised)``: bring a swapped-out request back if it fits; True if
+      it did.
+    """
+
+    def width(self, req) -> int:
+        return 1
+
+    def to_prefill(self, req) -> int:
+        raise NotImplementedError
+
+    def owed(self, req) -> int:
+        return 0
+
+    def admit(self, req, n: int, promised: int) -> bool:
+        raise NotImplementedError
+
+    def prefill(self, req, n: int) -> bool:
+        raise NotImplementedError
+
+    def grow(self, reqs) -> bool:
+        raise NotImplementedError
+
+    def preempt(self, req) -> bool:
+        raise NotImplementedError
+
+    def swap_in(self, req, promised: int) -> bool:
+        raise ConfigError("this memory does not swap")
+
+
+class Chunk(NamedTuple):
+    """Prefill work of one step: ``tokens`` of ``req``'s prefill, and whether they
+    finish it (then the request decodes in this step too)."""
+    req: object
+    tokens: int
+    last: bool
+
+
+def newest(running: list):
+    """The request preemption takes first: the one admitted last."""
+    return running[-1]
+
+
+class Scheduler:
+    """Admission, the token budget and preemption over a :class:`Memory` (see the module's
+    text). At most ``max_seqs`` sequences run at once; ``victim(running)`` names the
+    request to preempt (:func:`newest` by default)."""
+
+    def __init__(self, memory: Memory, *, max_seqs: int = 256,
+                 token_budget: int | None = None, chunked_prefill: bool = True,
+                 victim=newest):
+        self.memory, self.victim = memory, victim
+        self.max_seqs = positive_int(max_seqs, "max_seqs")
+        if token_budget is not None:
+            token_budget = positive_int(token_budget, "token_budget")
+        self.token_budget = token_budget
+        self.chunked_prefill = bool(chunked_prefill)
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.swapped: deque = deque()
+        self.refused = None        # the waiting head admission refused this step, or None
+        self.preempted: list = []  # requests preempted this step, in order
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ------------------------------------------------------------------ phase 1
+    def prefill(self) -> list[Chunk]:
+        """Phase 1 of a step: swap in, then share the token budget out (decodes first,
+        then chunks to running and to waiting requests). Returns the step's prefill work,
+        its memory already placed."""
+        self.refused, self.preempted = None, []
+        mem = self.memory
+        budget = float("inf") if self.token_budget is None else self.token_budget
+        budget -= sum(mem.width(r) for r in self.running if not mem.to_prefill(r))
+        budget = self._swap_in(budget)
+        chunks = []
+        for req in list(self.running):             # prefills already under way
+            left = mem.to_prefill(req)
+            if not left or budget <= 0 or req not in self.running:
+                continue
+            chunk = self._chunk(req, left, budget)
+            if chunk.tokens and self._place(req, chunk.tokens):
+                chunks.append(chunk)
+                budget -= chunk.tokens + (mem.width(req) if chunk.last else 0)
+        if not self.swapped:                       # a swapped request comes back first
+            self._admit(budget, chunks)
+        return chunks
+
+    def _chunk(self, req, left: int, budget) -> Chunk:
+        """As much of ``req``'s prefill as the budget holds; it finishes only if its
+        decode tokens fit too."""
+        if left + self.memory.width(req) <= budget:
+            return Chunk(req, left, True)
+        return Chunk(req, int(min(left - 1, budget)), False)
+
+    def _admit(self, budget, chunks: list) -> None:
+        """Admit waiting requests, head first, while they fit; append their chunks."""
+        mem = self.memory
+        promised = sum(mem.owed(r) for r in self.running)
+        live = sum(mem.width(r) for r in self.running)
+        while self.waiting:
+            req = self.waiting[0]
+            width, left = mem.width(req), mem.to_prefill(req)
+            if live + width > self.max_seqs:
+                break
+            chunk = self._chunk(req, left, budget)
+            if not chunk.last and not (self.chunked_prefill and chunk.tokens):
+                self.refused = req                 # its prefill does not fit the budget
+                break
+            if not mem.admit(req, chunk.tokens, promised):
+                self.refused = req                 # its memory is not free
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            chunks.append(chunk)
+            live += width
+            promised += mem.owed(req)
+            budget -= chunk.tokens + (width if chunk.last else 0)
+
+    def _place(self, req, n: int) -> bool:
+        """Memory for ``n`` more prefill tokens of a running request; preempt while
+        there is none (False if ``req`` itself was preempted)."""
+        while not self.memory.prefill(req, n):
+            victim = self.victim(self.running)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _swap_in(self, budget):
+        """Bring swapped requests back, oldest preemption first, while they fit; returns
+        the budget left."""
+        mem = self.memory
+        promised = sum(mem.owed(r) for r in self.running)
+        live = sum(mem.width(r) for r in self.running)
+        while self.swapped:
+            req = self.swapped[0]
+            width = mem.width(req)
+            if live + width > self.max_seqs or width > budget:
+                break
+            if not mem.swap_in(req, promised):
+                break
+            self.swapped.popleft()
+            self.running.append(req)
+            live += width
+            budget -= 0 if mem.to_prefill(req) else width
+        return budget
+
+    # ------------------------------------------------------------------ phase 2
+    def decode(self) -> list:
+        """Phase 2: one more token for every sequence of every running request that
+        decodes, preempting while the memory runs out. Returns those requests (in
+        admission order), their memory grown."""
+        mem = self.memory
+        while True:
+            reqs = [r for r in self.running if not mem.to_prefill(r)]
+            if not reqs or mem.grow(reqs):
+                return reqs
+            if len(self.running) == 1:             # admission refuses what cannot fit
+                raise AuditError("a request alone cannot take its next step")
+            self._preempt(self.victim(self.running))
+
+    def _preempt(self, req) -> None:
+        self.running.remove(req)
+        self.preempted.append(req)
+        if self.memory.preempt(req):
+            self.swapped.appendleft(req)
+        else:
+            self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ leaving
+    def finish(self, req) -> None:
+        """A running request is done: it leaves the queues (its memory is the caller's to
+        release)."""
+        self.running.remove(req)

@@ -1,0 +1,201 @@
+"""The one scheduler (pagedkv.scheduler) on its own: the token budget shared decodes first,
+then chunks to running and waiting requests; first come, first served; preemption of the
+newest; all checked against a memory that counts blocks by hand.
+
+The randomized test serves random requests through a tiny counted memory with a fixed
+seed (printed) and checks, after every step, the invariants a reader can state: the budget
+is never exceeded, a prefill is never charged twice, blocks held equal what the memory's own
+count says, and every request finishes with exactly its tokens."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedkv import sim
+from pagedkv.checks import cdiv
+from pagedkv.errors import AuditError, ConfigError
+from pagedkv.scheduler import Chunk, Memory, Scheduler, newest
+
+
+class Req:
+    def __init__(self, rid, prompt, output):
+        self.rid, self.prompt, self.output = rid, prompt, output
+        self.placed = 0          # tokens in memory
+        self.generated = 0
+
+    def __repr__(self):
+        return f"Req({self.rid})"
+
+
+class Counted(Memory):
+    """Blocks of 4 tokens, counted by hand; no watermark; recompute only."""
+
+    def __init__(self, blocks, block=4):
+        self.free, self.block = blocks, block
+        self.held = {}
+
+    def target(self, r):
+        return r.prompt + r.generated            # tokens in memory before it decodes
+
+    def to_prefill(self, r):
+        return self.target(r) - r.placed if r.placed < self.target(r) or \
+            r.rid not in self.held else 0
+
+    def owed(self, r):
+        return cdiv(self.target(r), self.block) - self.held.get(r.rid, 0)
+
+    def _take(self, r, n):
+        need = cdiv(r.placed + n, self.block) - self.held.get(r.rid, 0)
+        if need > self.free:
+            return False
+        self.free -= need
+        self.held[r.rid] = self.held.get(r.rid, 0) + need
+        r.placed += n
+        return True
+
+    def admit(self, r, n, promised):
+        if cdiv(self.target(r), self.block) + promised > self.free:
+            return False
+        return self._take(r, n)
+
+    def prefill(self, r, n):
+        return self._take(r, n)
+
+    def grow(self, reqs):
+        need = sum(cdiv(r.placed + 1, self.block) - self.held[r.rid] for r in reqs)
+        if need > self.free:
+            return False
+        for r in reqs:
+            assert self._take(r, 1)
+        return True
+
+    def release(self, r):
+        self.free += self.held.pop(r.rid)
+        r.placed = 0
+
+    def preempt(self, r):
+        self.release(r)
+        return False
+
+
+def test_decodes_first_then_chunks_in_order():
+    mem = Counted(100)
+    s = Scheduler(mem, max_seqs=8, token_budget=10)
+    a, b, c = Req(0, 3, 5), Req(1, 12, 5), Req(2, 4, 5)
+    s.waiting.extend([a, b, c])
+    chunks = s.prefill()
+    # a: 3 tokens + its decode = 4; b: 6 of its 12 (it cannot finish); c: nothing left
+    assert chunks == [Chunk(a, 3, True), Chunk(b, 6, False)]
+    assert list(s.waiting) == [c] and s.refused is c
+    assert s.decode() == [a]
+    a.generated += 1
+    chunks = s.prefill()       # a decodes (1), b's remaining 6 + its decode (7), c: 2
+    assert chunks == [Chunk(b, 6, True), Chunk(c, 2, False)]
+
+
+def test_without_chunking_a_prefill_that_does_not_fit_waits():
+    mem = Counted(100)
+    s = Scheduler(mem, token_budget=10, chunked_prefill=False)
+    a, b = Req(0, 12, 5), Req(1, 2, 5)
+    s.waiting.extend([a, b])
+    assert s.prefill() == [] and s.refused is a    # first come, first served: b waits too
+    assert list(s.waiting) == [a, b]
+
+
+def test_no_budget_prefills_everything_admitted():
+    mem = Counted(1000)
+    s = Scheduler(mem, token_budget=None)
+    reqs = [Req(i, 100 + i, 3) for i in range(5)]
+    s.waiting.extend(reqs)
+    assert [c.tokens for c in s.prefill()] == [r.prompt for r in reqs]
+
+
+def test_max_seqs_and_memory_stop_admission():
+    s = Scheduler(Counted(100), max_seqs=2, token_budget=None)
+    s.waiting.extend(Req(i, 4, 3) for i in range(3))
+    assert len(s.prefill()) == 2 and s.refused is None and len(s.waiting) == 1
+    s = Scheduler(Counted(2), token_budget=None)   # blocks of 4: 8 tokens fit, not 12
+    s.waiting.extend([Req(0, 8, 3), Req(1, 4, 3)])
+    assert len(s.prefill()) == 1 and s.refused.rid == 1
+
+
+def test_preemption_takes_the_newest_and_sends_it_to_the_head():
+    mem = Counted(2)                 # 8 tokens
+    s = Scheduler(mem, token_budget=None)
+    a, b, c = Req(0, 4, 3), Req(1, 3, 3), Req(2, 1, 1)
+    s.waiting.extend([a, b, c])
+    s.prefill()
+    assert s.running == [a, b] and list(s.waiting) == [c]
+    assert s.decode() == [a] and s.preempted == [b]   # a needs a second block: b gives it
+    assert list(s.waiting) == [b, c] and mem.held == {0: 2}
+
+
+def test_a_request_alone_that_cannot_grow_is_an_audit_error():
+    mem = Counted(1)
+    s = Scheduler(mem, token_budget=None)
+    s.waiting.append(Req(0, 4, 3))
+    s.prefill()
+    with pytest.raises(AuditError):
+        s.decode()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ConfigError):
+        Scheduler(Counted(1), token_budget=0)
+    with pytest.raises(ConfigError):
+        Scheduler(Counted(1), max_seqs=0)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("budget", [8, 33, None])
+def test_random_requests_finish_with_their_tokens(budget, chunked):
+    seed = 20261202
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    mem = Counted(40)
+    s = Scheduler(mem, max_seqs=6, token_budget=budget, chunked_prefill=chunked)
+    top = 7 if budget == 8 and not chunked else 30      # a prompt must fit the budget
+    reqs = [Req(i, rng.randint(1, top), rng.randint(1, 20)) for i in range(60)]
+    pending, done, steps = list(reqs), [], 0
+    while pending or s:
+        while pending and rng.random() < 0.5:
+            s.waiting.append(pending.pop(0))
+        computed = sum(mem.to_prefill(r) for r in s.running)
+        chunks = s.prefill()
+        charged = {c.req.rid for c in chunks}
+        assert len(charged) == len(chunks), "a request charged twice in one step"
+        decoders = s.decode()
+        if budget is not None:
+            used = sum(c.tokens for c in chunks) + len(decoders)
+            assert used <= budget, (steps, used)
+        for r in decoders:
+            r.generated += 1
+            if r.generated == r.output:
+                s.finish(r)
+                mem.release(r)
+                done.append(r)
+        assert sum(mem.held.values()) + mem.free == 40
+        for r in s.running:
+            assert mem.held[r.rid] == cdiv(r.placed, 4)
+        steps += 1
+        assert steps < 10_000
+        del computed
+    assert sorted(r.rid for r in done) == list(range(60))
+    assert all(r.generated == r.output for r in done) and mem.free == 40
+
+
+def test_the_simulation_uses_this_scheduler():
+    assert sim.serving.Scheduler is Scheduler and sim.newest(sim.Running()) == -1
+    assert newest([1, 2, 3]) == 3
+
+
+@pytest.mark.parametrize("policy", ["paged:16", "max-length"])
+def test_chunked_prefill_in_the_simulation_writes_and_checks_every_token(policy):
+    trace = sim.make_workload("chat", n=80, seed=3, rate=1.0)
+    opts = {"write": True} if policy.startswith("paged") else {}
+    p = sim.make_policy(policy, 2 * sim.MiB, trace.max_len, **opts)
+    run = sim.serve(trace, p, token_budget=64, chunked_prefill=True)
+    assert run.completions == 80 and run.corrupted_tokens == 0
+    if opts:
+        assert run.verified_tokens == run.tokens_written > 0
