@@ -45,7 +45,8 @@ class Memory:
     and the engine each implement it). ``promised`` counts free blocks already promised
     to running requests whose prefill is not finished.
 
-    * ``width(req)``: sequences the request runs at once (its decode tokens a step).
+    * ``width(req)``: sequences the request runs at once (its decode tokens a step);
+      ``sequences(reqs)`` their sum.
     * ``to_prefill(req)``: tokens it must still compute before it decodes (0: it decodes).
     * ``owed(req)``: free blocks its unfinished prefill will still take.
     * ``admit(req, n, promised)``: place a waiting request and its first ``n`` prefill
@@ -62,6 +63,10 @@ class Memory:
 
     def width(self, req) -> int:
         return 1
+
+    def sequences(self, reqs) -> int:
+        """Sequences ``reqs`` run in all."""
+        return sum(map(self.width, reqs))
 
     def to_prefill(self, req) -> int:
         raise NotImplementedError
@@ -101,7 +106,10 @@ def newest(running: list):
 class Scheduler:
     """Admission, the token budget and preemption over a :class:`Memory` (see the module's
     text). At most ``max_seqs`` sequences run at once; ``victim(running)`` names the
-    request to preempt (:func:`newest` by default)."""
+    request to preempt (:func:`newest` by default).
+
+    Beside the three queues it keeps ``prefilling``: the running requests whose prefill
+    is not finished, in admission order (the others decode)."""
 
     def __init__(self, memory: Memory, *, max_seqs: int = 256,
                  token_budget: int | None = None, chunked_prefill: bool = True,
@@ -115,11 +123,18 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running: list = []
         self.swapped: deque = deque()
-        self.refused = None        # the waiting head admission refused this step, or None
-        self.preempted: list = []  # requests preempted this step, in order
+        self.prefilling: dict = {}  # running, prefill unfinished (a dict: ordered, O(1))
+        self.refused = None         # the waiting head admission refused this step, or None
+        self.preempted: list = []   # requests preempted this step, in order
 
     def __bool__(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def decoding(self) -> list:
+        """The running requests that decode, in admission order."""
+        if not self.prefilling:
+            return list(self.running)
+        return [r for r in self.running if r not in self.prefilling]
 
     # ------------------------------------------------------------------ phase 1
     def prefill(self) -> list[Chunk]:
@@ -129,17 +144,18 @@ class Scheduler:
         self.refused, self.preempted = None, []
         mem = self.memory
         budget = float("inf") if self.token_budget is None else self.token_budget
-        budget -= sum(mem.width(r) for r in self.running if not mem.to_prefill(r))
+        budget -= mem.sequences(self.decoding())
         budget = self._swap_in(budget)
         chunks = []
-        for req in list(self.running):             # prefills already under way
-            left = mem.to_prefill(req)
-            if not left or budget <= 0 or req not in self.running:
+        for req in list(self.prefilling):          # prefills already under way
+            if budget <= 0 or req not in self.prefilling:
                 continue
-            chunk = self._chunk(req, left, budget)
+            chunk = self._chunk(req, mem.to_prefill(req), budget)
             if chunk.tokens and self._place(req, chunk.tokens):
                 chunks.append(chunk)
                 budget -= chunk.tokens + (mem.width(req) if chunk.last else 0)
+                if chunk.last:
+                    del self.prefilling[req]
         if not self.swapped:                       # a swapped request comes back first
             self._admit(budget, chunks)
         return chunks
@@ -154,14 +170,14 @@ class Scheduler:
     def _admit(self, budget, chunks: list) -> None:
         """Admit waiting requests, head first, while they fit; append their chunks."""
         mem = self.memory
-        promised = sum(mem.owed(r) for r in self.running)
-        live = sum(mem.width(r) for r in self.running)
+        promised = sum(mem.owed(r) for r in self.prefilling)
+        live = mem.sequences(self.running)
         while self.waiting:
             req = self.waiting[0]
-            width, left = mem.width(req), mem.to_prefill(req)
+            width = mem.width(req)
             if live + width > self.max_seqs:
                 break
-            chunk = self._chunk(req, left, budget)
+            chunk = self._chunk(req, mem.to_prefill(req), budget)
             if not chunk.last and not (self.chunked_prefill and chunk.tokens):
                 self.refused = req                 # its prefill does not fit the budget
                 break
@@ -170,9 +186,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            if not chunk.last:
+                self.prefilling[req] = None
+                promised += mem.owed(req)
             chunks.append(chunk)
             live += width
-            promised += mem.owed(req)
             budget -= chunk.tokens + (width if chunk.last else 0)
 
     def _place(self, req, n: int) -> bool:
@@ -189,8 +207,8 @@ class Scheduler:
         """Bring swapped requests back, oldest preemption first, while they fit; returns
         the budget left."""
         mem = self.memory
-        promised = sum(mem.owed(r) for r in self.running)
-        live = sum(mem.width(r) for r in self.running)
+        promised = sum(mem.owed(r) for r in self.prefilling)
+        live = mem.sequences(self.running)
         while self.swapped:
             req = self.swapped[0]
             width = mem.width(req)
@@ -201,7 +219,10 @@ class Scheduler:
             self.swapped.popleft()
             self.running.append(req)
             live += width
-            budget -= 0 if mem.to_prefill(req) else width
+            if mem.to_prefill(req):                # swapped out before its prefill ended
+                self.prefilling[req] = None
+            else:
+                budget -= width
         return budget
 
     # ------------------------------------------------------------------ phase 2
@@ -209,10 +230,9 @@ class Scheduler:
         """Phase 2: one more token for every sequence of every running request that
         decodes, preempting while the memory runs out. Returns those requests (in
         admission order), their memory grown."""
-        mem = self.memory
         while True:
-            reqs = [r for r in self.running if not mem.to_prefill(r)]
-            if not reqs or mem.grow(reqs):
+            reqs = self.decoding()
+            if not reqs or self.memory.grow(reqs):
                 return reqs
             if len(self.running) == 1:             # admission refuses what cannot fit
                 raise AuditError("a request alone cannot take its next step")
@@ -220,6 +240,7 @@ class Scheduler:
 
     def _preempt(self, req) -> None:
         self.running.remove(req)
+        self.prefilling.pop(req, None)
         self.preempted.append(req)
         if self.memory.preempt(req):
             self.swapped.appendleft(req)
@@ -231,3 +252,4 @@ class Scheduler:
         """A running request is done: it leaves the queues (its memory is the caller's to
         release)."""
         self.running.remove(req)
+        self.prefilling.pop(req, None)

@@ -2,15 +2,19 @@
 
 Requests wait in a queue; each :meth:`Engine.step` does four things:
 
-1. **swap in** requests that were preempted by swapping, when their blocks fit again;
-2. **admit** waiting requests while the pool can hold them, and prefill their prompts (one
-   forward pass, long prompts in chunks; with the prefix cache, only what it does not hold);
-3. **decode**: every live sequence of every running request gains one token (one forward pass
-   through the page tables, one ``manager.step()``), preempting the most recently admitted
-   request while the step cannot get its blocks;
+1. **schedule the prefill** (:meth:`Scheduler.prefill <pagedkv.scheduler.Scheduler.prefill>`):
+   swap in requests that were preempted by swapping, when their blocks fit again; admit
+   waiting requests while the pool can hold them; and share the step's token budget, if it
+   has one, between the decodes and prefill chunks;
+2. **prefill**: one forward pass computes the chunks (with the prefix cache, only what it
+   does not hold); a prompt whose prefill is complete chooses its first token(s);
+3. **decode**: every live sequence of every prefilled request gains one token (one
+   ``manager.step()``, one forward pass through the page tables), the scheduler preempting
+   the most recently admitted request while the step cannot get its blocks;
 4. **finish**: sequences that produced the end token or reached their limit free their blocks.
 
-Admission and preemption are :mod:`pagedkv.model.scheduling`'s part of the engine.
+Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s decision (the simulation's scheduler
+too); :mod:`pagedkv.model.scheduling` is the engine's side of it: where the blocks are.
 
 A request asks for greedy decoding, sampling (temperature, top-p, a seeded generator), ``n``
 parallel samples (the prompt is prefilled once and forked ``n`` ways) or beam search of width
@@ -32,11 +36,12 @@ import numpy as np
 
 from .. import backend
 from ..checks import cdiv, is_int, positive_int, token_ids
-from ..errors import ConfigError
+from ..errors import AuditError, ConfigError
 from ..prefix_cache import PrefixCachingManager
 from .llama import Batch, Llama, PagedKV
+from ..scheduler import Scheduler
 from .runner import FastRunner, ModelRunner
-from .scheduling import Counts, Scheduling, prefill_prompt
+from .scheduling import Counts, Scheduling, _cached_target
 
 __all__ = ["SamplingParams", "Sequence", "Request", "Engine", "sample", "log_softmax_topk",
            "beam_select", "best_beams"]
@@ -94,7 +99,7 @@ class Sequence:
         return len(self.tokens) - self.prompt_len
 
 
-@dataclass
+@dataclass(eq=False)                   # compared and hashed by identity: the scheduler's keys
 class Request:
     request_id: int
     prompt: list
@@ -103,6 +108,7 @@ class Request:
     live: list = field(default_factory=list)      # sequences still decoding
     finished: list = field(default_factory=list)  # completed samples or beam hypotheses
     hashed: object = field(default=None, repr=False)  # the prompt, checked and hashed
+    prefilled: bool = False   # its K/V are in the cache: it decodes
 
     @property
     def done(self) -> bool:
@@ -201,7 +207,8 @@ class Engine(Scheduling):
                  audit: bool = False, on_step=None, prefix_caching: bool = False,
                  preemption: str = "recompute", host_blocks: int = 0,
                  watermark: float = 0.01, runner: str = "plain",
-                 max_context: int | None = None, bookkeeping: str = "teaching"):
+                 max_context: int | None = None, bookkeeping: str = "teaching",
+                 token_budget: int | None = None, chunked_prefill: bool = True):
         self.model = model
         if bookkeeping == "teaching":
             classes, cache_cls = {}, PrefixCachingManager
@@ -221,7 +228,7 @@ class Engine(Scheduling):
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.audit = audit
         self.on_step = on_step           # called as on_step(engine) after every step
-        self._schedule(watermark, preemption, host_blocks)
+        self._memory(watermark, preemption, host_blocks)
         if runner == "plain":
             self.runner = ModelRunner(model, self.kv)
         elif runner in ("fast", "fast-eager"):
@@ -231,13 +238,21 @@ class Engine(Scheduling):
         else:
             raise ConfigError(f"runner must be 'plain', 'fast' or 'fast-eager', "
                               f"got {runner!r}")
-        self.waiting: deque = deque()
-        self.running: list = []          # in admission order: the last is preempted first
-        self.swapped: deque = deque()
+        self.scheduler = Scheduler(self, max_seqs=self.max_seqs, token_budget=token_budget,
+                                   chunked_prefill=chunked_prefill)
+        self.parts: list = []            # the step's prefill: (request, part), in order
+        self.swap_pairs = ([], [])       # the step's swap-ins and swap-outs, to copy
+        self.decoded = 0                 # sequences the last step decoded
         self.finished: list = []
         self.counts = Counts()
         self._ids = itertools.count()
         self.history = deque(maxlen=self.history_steps)  # a dict per step: the pool
+
+    # the scheduler's queues: waiting (first come, first served), running (in admission
+    # order: the last is preempted first), swapped (the oldest preemption first)
+    waiting = property(lambda self: self.scheduler.waiting)
+    running = property(lambda self: self.scheduler.running)
+    swapped = property(lambda self: self.scheduler.swapped)
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt, params: SamplingParams | None = None) -> Request:
@@ -268,12 +283,10 @@ class Engine(Scheduling):
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        """Swap in, admit and prefill, decode one token for every live sequence, free what
-        finished."""
-        if self.swapper is not None:
-            self.swap_in()
-        self.admit()
-        self.decode()
+        """Schedule and run the prefill, then decode one token for every live sequence of
+        every prefilled request; free what finished."""
+        self.run_prefill(self.scheduler.prefill())
+        self.run_decode(self.scheduler.decode())
         self.finish()
         if self.audit:
             self.manager.audit()
@@ -295,70 +308,32 @@ class Engine(Scheduling):
         self.run()
         return reqs
 
-    # ------------------------------------------------------------------ 2. admit
-    def admit(self) -> None:
-        """Admit from the head of the queue while admission says "now" (none while a
-        swapped-out request waits to come back), then prefill them."""
-        admitted, promised = [], 0
-        while self.waiting and not self.swapped:
-            req = self.waiting[0]
-            if self.admission(req, promised)[0] != "now":
-                break                                  # first come, first served
-            promised += self._blocks_to_start(req)
-            self.waiting.popleft()
-            if not req.live:                           # new (not back from a preemption)
-                req.live.append(self._new_seq(req.prompt, len(req.prompt)))
-                req.live[0].prefill = req.hashed
-            self.running.append(req)
-            admitted.append(req)
-        self.prefill(admitted)
-
-    def prefill(self, reqs) -> None:
-        """Write the K/V of every sequence of ``reqs``: a new request's prompt, or all but the
-        pending token of a sequence preempted by recompute. At most ``prefill_chunk`` tokens
-        are computed a pass (a long prompt takes several); a new prompt then chooses its
-        first token(s)."""
-        jobs = [(req, seq) for req in reqs for seq in req.live]
-        while jobs:
-            budget, rows, parts = self.prefill_chunk, [], []
-            for req, seq in jobs:
-                if budget == 0:
-                    break
-                parts.append(self._prefill_part(seq, budget))
-                budget -= len(parts[-1][1])
-                rows.append((req, seq))
-            logits, _ = self.runner.prefill(self._batch(parts))
-            done = set()
-            for row, (req, seq) in enumerate(rows):
-                if self.manager.num_tokens(seq.seq_id) == _cached_target(seq):
-                    done.add(seq.seq_id)
-                    if not seq.generated:              # a new prompt: its first token(s)
-                        self._first_tokens(req, logits[row:row + 1])
-            jobs = [(req, seq) for req, seq in jobs if seq.seq_id not in done]
-
-    def _prefill_part(self, seq: Sequence, budget: int):
-        """Plan the next chunk of a sequence's prefill: (sequence, tokens, positions, plan).
-        Its first chunk starts after what the prefix cache holds. Blocks are cached as they
-        are planned, and the pass that follows writes them before any sequence reads them."""
-        target, m = _cached_target(seq), self.manager
-        if seq.seq_id in m:
-            start = m.num_tokens(seq.seq_id)
-            n = min(target - start, budget)
-            plan = m.append(seq.seq_id, seq.tokens[start:start + n])
-        else:
-            prompt = prefill_prompt(m, seq).head(target)
-            start = m.cached_prefix(prompt)
-            n = min(target - start, budget)
-            plan = m.add(seq.seq_id, prompt.head(start + n))
-            seq.prefill = None
-            self.counts.prompt_tokens += start
-            if seq.generated:
-                self.counts.refound_tokens += start
-        self.counts.prompt_tokens += n
-        self.counts.computed_tokens += n
-        if seq.generated:
-            self.counts.recomputed_tokens += n
-        return seq, seq.tokens[start:start + n], range(start, start + n), plan
+    # ------------------------------------------------------------------ 2. prefill
+    def run_prefill(self, chunks) -> None:
+        """Compute the step's prefill parts (placed by the scheduler's calls, in
+        ``self.parts``), whole parts packed into passes of about ``prefill_chunk`` tokens;
+        then a new prompt whose K/V are all in the cache chooses its first token(s)."""
+        if self.swapper is not None:
+            self.copy_swaps()
+        parts, self.parts = [p for p in self.parts if len(p[1][1])], []
+        while parts:
+            size = n = 0
+            while n < len(parts) and (n == 0 or size + len(parts[n][1][1])
+                                      <= self.prefill_chunk):
+                size += len(parts[n][1][1])
+                n += 1
+            rows, parts = parts[:n], parts[n:]
+            logits, _ = self.runner.prefill(self._batch([part for _, part in rows]))
+            for row, (req, (seq, *_)) in enumerate(rows):
+                if not seq.generated and not req.prefilled and \
+                        self.manager.num_tokens(seq.seq_id) == len(seq.tokens):
+                    req.prefilled = True           # a new prompt: its first token(s)
+                    self._first_tokens(req, logits[row:row + 1])
+        for chunk in chunks:                       # a prompt found whole in the cache
+            req = chunk.req
+            if chunk.last and not req.prefilled and req in self.running:
+                raise AuditError(f"request {req.request_id}'s prefill ended without "
+                                 f"logits to choose its first token")
 
     def _batch(self, parts) -> Batch:
         """A :class:`Batch` from (sequence, new tokens, their positions, plan) for each row."""
@@ -394,12 +369,16 @@ class Engine(Scheduling):
         self._sample_step(req, logits)
 
     # ------------------------------------------------------------------ 2. decode
-    def decode(self) -> None:
-        """One token for every live sequence: one ``manager.step()`` (preempting while it
-        cannot get its blocks), one forward pass."""
-        reqs, seqs, plan = self.step_or_preempt()
-        if plan is None:
+    def run_decode(self, reqs) -> None:
+        """One token for every live sequence of ``reqs``: their ``manager.step()`` plan
+        (made by the scheduler's call to :meth:`grow`), one forward pass."""
+        if self.swapper is not None:
+            self.copy_swaps()
+        reqs = [r for r in reqs if r.live]
+        self.decoded = len(self.step_seqs) if reqs else 0   # sequences decoded this step
+        if not reqs:
             return
+        plan, seqs = self.step_plan, self.step_seqs
         batch = Batch(
             tokens=np.array([s.tokens[-1] for s in seqs], dtype=np.int32),
             positions=plan.seq_lens - 1, slots=plan.slot_mapping,
@@ -483,7 +462,7 @@ class Engine(Scheduling):
     # ------------------------------------------------------------------ 3. finish
     def finish(self) -> None:
         for req in [r for r in self.running if r.done]:
-            self.running.remove(req)
+            self.scheduler.finish(req)
             self.finished.append(req)
 
     # ------------------------------------------------------------------ accounting
@@ -499,7 +478,7 @@ class Engine(Scheduling):
             blocks_saved=mapped - alloc.num_used, sequences=len(lengths),
             tokens=sum(lengths), copies=self.kv.copies_done, running=len(self.running),
             waiting=len(self.waiting), swapped=len(self.swapped),
-            preemptions=self.counts.preemptions))
+            preemptions=self.counts.preemptions, decoded=self.decoded))
 
     # ------------------------------------------------------------------ cancelling
     def cancel(self, req: Request) -> bool:
@@ -535,8 +514,3 @@ class Engine(Scheduling):
         req.live = []
         return True
 
-
-def _cached_target(seq: Sequence) -> int:
-    """How many of the sequence's tokens must have their K/V in the cache before it decodes:
-    all of a new prompt, all but the pending last token of a sequence that has generated."""
-    return len(seq.tokens) - (1 if seq.generated else 0)

@@ -1,23 +1,26 @@
-"""Who runs: the engine's admission (now, later or never) and preemption (recompute or
-swap).
+"""The engine's memory, as the scheduler sees it: admission (now, later or never),
+prefill chunks placed in the pool, decode steps, and preemption (recompute or swap).
 
-:class:`Scheduling` is the half of :class:`~pagedkv.model.generate.Engine` that decides;
-the engine's other half computes. It reads the engine's manager, its three queues
-(``waiting``, ``running``, ``swapped``, each in order) and, for swapping, its
-:class:`~pagedkv.swap.Swapper`.
+The decisions themselves — who is admitted, how the step's token budget is shared, whom to
+preempt — are :class:`~pagedkv.scheduler.Scheduler`'s, the same scheduler the simulation
+runs on. :class:`Scheduling` is the half of :class:`~pagedkv.model.generate.Engine` that
+answers its questions (the :class:`~pagedkv.scheduler.Memory` interface) from the engine's
+manager and, for swapping, its :class:`~pagedkv.swap.Swapper`:
 
 * **Admission** answers for the request at the head of the queue: *now* (the blocks its
   prompt needs, beyond what the prefix cache already holds, are free, with a small
   watermark left for the running requests to grow into), *later* (they are not free yet),
   or *never* (even alone in the pool it could not finish: refused when submitted, with the
   reason).
-* **Preemption**: when a decode step cannot get its blocks, the most recently admitted
-  request gives its blocks back and the step is tried again. By *recompute*, its K/V is
-  dropped and it waits at the head of the queue, to be prefilled again (a prefix-caching
-  manager finds much of it still cached); by *swap*, its blocks are copied to the host
-  pool first and it waits in ``swapped`` until there is room to copy them back (and falls
-  back to recompute when the host pool is full). Either way its sampled tokens, scores
-  and random generator are kept: it continues exactly where it stopped.
+* **Prefill**: a request's next chunk of tokens is placed (``manager.add`` or
+  ``append``), and the parts to compute are kept for the step's prefill pass.
+* **Preemption**: when a step cannot get its blocks, the scheduler takes the most recently
+  admitted request. By *recompute*, its K/V is dropped and it waits at the head of the
+  queue, to be prefilled again (a prefix-caching manager finds much of it still cached); by
+  *swap*, its blocks are copied to the host pool first and it waits in ``swapped`` until
+  there is room to copy them back (and falls back to recompute when the host pool is
+  full). Either way its sampled tokens, scores and random generator are kept: it continues
+  exactly where it stopped.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import numpy as np
 
 from ..checks import cdiv, positive_int
 from ..errors import AuditError, ConfigError, OutOfBlocks
+from ..scheduler import Memory
 from ..swap import HostPool, Swapper, copy_to_device, copy_to_host
 
 __all__ = ["Counts", "Scheduling", "prefill_prompt"]
@@ -59,11 +63,11 @@ def prefill_prompt(manager, seq):
     return seq.prefill
 
 
-class Scheduling:
-    """Admission and preemption for :class:`~pagedkv.model.generate.Engine` (a mixin).
-    """
+class Scheduling(Memory):
+    """The engine's answers to the scheduler (a mixin of
+    :class:`~pagedkv.model.generate.Engine`)."""
 
-    def _schedule(self, watermark: float, preemption: str, host_blocks: int) -> None:
+    def _memory(self, watermark: float, preemption: str, host_blocks: int) -> None:
         """Set the watermark (a share of the pool admission keeps free) and the
         preemption: ``"recompute"``, or ``"swap"`` into a host pool of ``host_blocks``
         blocks."""
@@ -122,69 +126,155 @@ class Scheduling:
                              f"{free} are free")
         return "now", ""
 
-    def step_or_preempt(self):
-        """The decode step's plan: ``manager.step()`` for every live sequence; while it
-        cannot get its blocks, the most recently admitted request is preempted (the
-        blocks swapped out copied in one call). Returns (requests, their sequences, the
-        plan), the plan None when nothing runs."""
-        swap_out = []
-        while True:
-            reqs = [r for r in self.running if r.live]
-            seqs = [s for r in reqs for s in r.live]
-            if not seqs:
-                return reqs, seqs, None
-            try:
-                plan = self.manager.step([s.seq_id for s in seqs],
-                                         [s.tokens[-1] for s in seqs])
-                break
-            except OutOfBlocks:
-                if len(reqs) == 1:                 # admission refuses what cannot fit
-                    raise AuditError("a request alone cannot take its next step") \
-                        from None
-                swap_out.append(self.preempt(reqs[-1]))
-        pairs = np.concatenate(swap_out) if swap_out else NO_PAIRS
-        if len(pairs):
-            copy_to_host(self.device_blocks, self.swapper.host, pairs)
-        return reqs, seqs, plan
+    # ------------------------------------------------------------------ the Memory interface
+    def width(self, req) -> int:
+        """Sequences the request decodes a step: all it will fork into, until its first
+        tokens are chosen."""
+        return len(req.live) if req.prefilled else req.params.width
 
-    def preempt(self, req) -> np.ndarray:
-        """``req`` gives its blocks back, by swap when there is a swapper with room,
-        else by recompute. Returns the (device block, host block) pairs still to copy.
-        """
-        self.running.remove(req)
+    def to_prefill(self, req) -> int:
+        """Tokens the request must still compute before it decodes (cache hits excluded)."""
+        if req.prefilled:
+            return 0
+        if not req.live:                           # new: its prompt
+            return len(req.prompt) - self.manager.cached_prefix(req.hashed)
+        m, total = self.manager, 0
+        for s in req.live:
+            target = _cached_target(s)
+            if s.seq_id in m:
+                total += target - m.num_tokens(s.seq_id)
+            else:
+                total += target - m.cached_prefix(prefill_prompt(m, s).head(target))
+        return total
+
+    def owed(self, req) -> int:
+        """Free blocks the rest of the request's prefill will take."""
+        if req.prefilled:
+            return 0
+        m, bs = self.manager, self.block_size
+        return sum(cdiv(_cached_target(s), bs) - cdiv(m.num_tokens(s.seq_id), bs)
+                   for s in req.live if s.seq_id in m)
+
+    def admit(self, req, n: int, promised: int) -> bool:
+        """Place a waiting request and its first ``n`` prefill tokens, if admission says
+        "now"."""
+        if self.admission(req, promised)[0] != "now":
+            return False
+        if not req.live:                           # new (not back from a preemption)
+            req.live.append(self._new_seq(req.prompt, len(req.prompt)))
+            req.live[0].prefill = req.hashed
+        return self.prefill(req, n)
+
+    def prefill(self, req, n: int) -> bool:
+        """Place the request's next ``n`` prefill tokens, its sequences in order; False,
+        placing nothing, if their blocks are not free. The parts wait in ``self.parts``
+        for the step's prefill pass."""
+        m, plan, need = self.manager, [], 0
+        for seq in req.live:
+            target = _cached_target(seq)
+            if seq.seq_id in m:
+                start = m.num_tokens(seq.seq_id)
+                k = min(target - start, n)
+                need += m.blocks_needed(seq.seq_id, k)
+            else:
+                prompt = prefill_prompt(m, seq).head(target)
+                start = m.cached_prefix(prompt)
+                k = min(target - start, n)
+                need += m.blocks_to_add(prompt.head(start + k))
+            if k or seq.seq_id not in m:          # (a sequence found whole is added)
+                plan.append((seq, k))
+            n -= k
+        if need > m.allocator.num_free:
+            return False
+        self.parts.extend((req, self._prefill_part(seq, k)) for seq, k in plan)
+        if req.live[0].generated and not self.to_prefill(req):
+            req.prefilled = True                   # back from a recompute: it decodes
+        return True
+
+    def grow(self, reqs) -> bool:
+        """One more token for every sequence of ``reqs``: the step's plan, or False."""
+        seqs = [s for r in reqs for s in r.live]  # (a request done at its first token: none)
+        self.step_seqs = seqs
+        if not seqs:
+            return True
+        try:
+            self.step_plan = self.manager.step([s.seq_id for s in seqs],
+                                               [s.tokens[-1] for s in seqs])
+        except OutOfBlocks:
+            return False
+        return True
+
+    def preempt(self, req) -> bool:
+        """``req`` gives its blocks back, by swap when there is a swapper with room, else
+        by recompute. True if it was swapped out (its copies wait for the next pass)."""
+        if any(r is req for r, _ in self.parts):
+            raise AuditError("a request is preempted after its prefill was planned")
         self.counts.preemptions += 1
-        ids = [s.seq_id for s in req.live]
-        if self.swapper is not None:
+        ids = [s.seq_id for s in req.live if s.seq_id in self.manager]
+        if self.swapper is not None and len(ids) == len(req.live):
             try:
                 pairs = self.swapper.swap_out(ids)
             except OutOfBlocks:                    # the host pool is full: recompute
                 pass
             else:
-                self.swapped.appendleft(req)
+                self.swap_pairs[1].append(pairs)
                 self.counts.swapped_out += len(pairs)
-                return pairs
+                return True
         for seq_id in ids:
             self.manager.free(seq_id)
-        self.waiting.appendleft(req)
-        return NO_PAIRS
+        req.prefilled = False
+        return False
 
-    def swap_in(self) -> None:
-        """Bring swapped-out requests back, oldest preemption first, while their blocks
-        (and the watermark) are free; all of the step's blocks in one copy."""
-        pairs = []
-        while self.swapped:
-            req = self.swapped[0]
-            ids = [s.seq_id for s in req.live]
-            need = self.swapper.blocks_to_swap_in(ids) + self.watermark_blocks
-            live = sum(len(r.live) for r in self.running)
-            free = self.manager.allocator.num_free
-            if need > free or live + len(ids) > self.max_seqs:
-                break
-            # (all but each sequence's pending token: their K/V were swapped out)
-            pairs.append(self.swapper.swap_in(ids, [s.tokens[:-1] for s in req.live]))
-            self.swapped.popleft()
-            self.running.append(req)
-        if pairs:
-            pairs = np.concatenate(pairs)
-            copy_to_device(self.swapper.host, self.device_blocks, pairs)
-            self.counts.swapped_in += len(pairs)
+    def swap_in(self, req, promised: int) -> bool:
+        """Bring a swapped-out request back if its blocks (and the watermark) are free."""
+        ids = [s.seq_id for s in req.live]
+        need = self.swapper.blocks_to_swap_in(ids) + self.watermark_blocks
+        if need > self.manager.allocator.num_free - promised:
+            return False
+        # (the tokens whose K/V were swapped out: all but a decoding sequence's pending one)
+        held = [self.swapper.swapped[i].num_tokens for i in ids]
+        pairs = self.swapper.swap_in(ids, [s.tokens[:n] for s, n in zip(req.live, held)])
+        self.swap_pairs[0].append(pairs)
+        self.counts.swapped_in += len(pairs)
+        return True
+
+    def copy_swaps(self) -> None:
+        """The step's swap copies so far, in one call each way: swap-ins first (a request
+        back this step may leave again), then swap-outs; before any pass writes K/V."""
+        ins, outs = (np.concatenate(p) if p else NO_PAIRS for p in self.swap_pairs)
+        if len(ins):
+            copy_to_device(self.swapper.host, self.device_blocks, ins)
+        if len(outs):
+            copy_to_host(self.device_blocks, self.swapper.host, outs)
+        self.swap_pairs = ([], [])
+
+    # ------------------------------------------------------------------ placing a prefill
+    def _prefill_part(self, seq, n: int):
+        """Place the next ``n`` tokens of a sequence's prefill: (sequence, tokens,
+        positions, plan). Its first chunk starts after what the prefix cache holds. Blocks
+        are cached as they are planned, and the pass that follows writes them before any
+        sequence reads them."""
+        target, m = _cached_target(seq), self.manager
+        if seq.seq_id in m:
+            start = m.num_tokens(seq.seq_id)
+            plan = m.append(seq.seq_id, seq.tokens[start:start + n])
+        else:
+            prompt = prefill_prompt(m, seq).head(target)
+            start = m.cached_prefix(prompt)       # (a sibling placed just now may add hits)
+            n = min(n, target - start)
+            plan = m.add(seq.seq_id, prompt.head(start + n))
+            seq.prefill = None
+            self.counts.prompt_tokens += start
+            if seq.generated:
+                self.counts.refound_tokens += start
+        self.counts.prompt_tokens += n
+        self.counts.computed_tokens += n
+        if seq.generated:
+            self.counts.recomputed_tokens += n
+        return seq, seq.tokens[start:start + n], range(start, start + n), plan
+
+
+def _cached_target(seq) -> int:
+    """How many of the sequence's tokens must have their K/V in the cache before it decodes:
+    all of a new prompt, all but the pending last token of a sequence that has generated."""
+    return len(seq.tokens) - (1 if seq.generated else 0)

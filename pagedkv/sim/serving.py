@@ -108,6 +108,9 @@ class PolicyMemory(Memory):
         self.target: dict = {}        # running, prefill unfinished -> its full length
         self.step = 0
 
+    def sequences(self, reqs) -> int:
+        return len(reqs)
+
     def to_prefill(self, req) -> int:
         if req.rid in self.starts:
             return self.policy.prefill(req, self.starts[req.rid])

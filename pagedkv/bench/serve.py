@@ -1,0 +1,320 @@
+"""Serving: ``python -m pagedkv.bench.serve [--quick] [--rate R] [--json PATH] ...``.
+
+Requests arrive (all at once, or as a Poisson process at ``--rate`` requests a second) and
+SmolLM2-135M-Instruct serves them through the paged cache, the engine stepping continuously
+(:class:`~pagedkv.model.generate.Engine` on the shared scheduler, with a token budget). The
+default workload is nano-vllm's ``bench.py``: 256 requests, ``random.seed(0)``, every prompt
+drawn first (``randint(100, 1024)`` tokens, each ``randint(0, 10000)``), then every output
+length (``randint(100, 1024)``), the end token ignored. ``--quick`` is a CPU-sized run.
+
+Measured, per engine, from the moment a request is due to arrive: **output tokens a second**
+(all output tokens over the wall time, prefills included, warm-up excluded), **time to first
+token** (TTFT) and **inter-token latency** (ITL: the gaps between a request's tokens as the
+engine hands them out), as p50, p90, p99 and max; for pagedkv also the peak of blocks in use
+and the preemptions. When ``transformers`` is importable the same requests go through its
+continuous-batching manager in the same process (per-request ``max_new_tokens``, end token
+disabled, its warm-up excluded, per-token timestamps recorded), and the two are printed side
+by side. ``--json PATH`` writes everything with the command, machine and date.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import sys
+import time
+from collections import deque
+
+import numpy as np
+
+from .. import backend
+from ..checks import cdiv
+from ..model.blas import single_thread_blas
+from ..model.generate import Engine, SamplingParams
+
+__all__ = ["make_requests", "serve_pagedkv", "serve_transformers", "latency", "main"]
+
+PERCENTILES = (50, 90, 99)
+
+
+def make_requests(n: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0,
+                  rate: float | None = None) -> list:
+    """``n`` requests as (arrival in seconds, prompt token ids, output tokens): nano-vllm's
+    draws in its order (every prompt, then every output length), and, with a ``rate``,
+    exponential gaps between arrivals from a NumPy generator seeded the same."""
+    rnd = random.Random(seed)
+    prompts = [[rnd.randint(0, 10000) for _ in range(rnd.randint(lo, hi))] for _ in range(n)]
+    outputs = [rnd.randint(lo, hi) for _ in range(n)]
+    if rate:
+        arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n))
+        arrivals -= arrivals[0]
+    else:
+        arrivals = np.zeros(n)
+    return [(float(a), p, o) for a, p, o in zip(arrivals, prompts, outputs)]
+
+
+def latency(values_s) -> dict:
+    """Percentiles and the maximum of a list of seconds, in milliseconds."""
+    v = np.asarray(values_s, dtype=np.float64) * 1e3
+    if not len(v):
+        return {f"p{q}": float("nan") for q in PERCENTILES} | {"max": float("nan")}
+    return {f"p{q}": float(np.percentile(v, q)) for q in PERCENTILES} | {"max": float(v.max())}
+
+
+def _summary(due, stamps, wall: float) -> dict:
+    """TTFT and ITL from each request's due time and token times; throughput."""
+    ttft = [s[0] - d for d, s in zip(due, stamps) if s]
+    itl = [b - a for s in stamps for a, b in zip(s, s[1:])]
+    tokens = sum(len(s) for s in stamps)
+    return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "ttft_ms": latency(ttft), "itl_ms": latency(itl),
+            "completed": sum(1 for s in stamps if s)}
+
+
+# ---------------------------------------------------------------------- pagedkv
+
+def _engine(model, requests, args) -> Engine:
+    longest = max(len(p) + o for _, p, o in requests)
+    blocks = args.blocks or sum(cdiv(len(p) + o, 16) for _, p, o in requests) + 16
+    runner = args.runner or ("fast" if backend.on_gpu else "plain")
+    fast = runner != "plain"
+    return Engine(model, num_blocks=blocks, block_size=16, max_seqs=args.max_seqs,
+                  stop_ids=(), runner=runner, max_context=longest if fast else None,
+                  bookkeeping="fast" if fast else "teaching",
+                  token_budget=args.token_budget, prefill_chunk=args.token_budget or 2048)
+
+
+def _warm_up(engine: Engine, vocab: int) -> None:
+    """Compile kernels and capture graphs before the clock starts: a few short requests
+    served to the end, and every graph bucket captured."""
+    capture = getattr(engine.runner, "capture_all", None)
+    if capture is not None:
+        capture()
+    engine.generate([[1 + i % (vocab - 1)] * 20 for i in range(4)],
+                    SamplingParams(max_new_tokens=4))
+    backend.synchronize()
+
+
+def serve_pagedkv(model, requests, args, progress=None) -> dict:
+    """Serve ``requests`` on our engine; returns the measurements."""
+    engine = _engine(model, requests, args)
+    _warm_up(engine, model.config.vocab_size)
+    engine.counts.preemptions = 0
+    order = sorted(range(len(requests)), key=lambda i: requests[i][0])
+    pending, live = deque(order), {}
+    stamps = [[] for _ in requests]
+    due = [0.0] * len(requests)
+    peak = steps = 0
+    t0 = time.perf_counter()
+    while pending or live:
+        now = time.perf_counter() - t0
+        while pending and requests[pending[0]][0] <= now:
+            i = pending.popleft()
+            arrival, prompt, out = requests[i]
+            due[i] = arrival
+            live[i] = engine.submit(prompt, SamplingParams(max_new_tokens=out))
+        if not (engine.waiting or engine.running or engine.swapped):
+            time.sleep(max(0.0, requests[pending[0]][0] - now))
+            continue
+        engine.step()
+        steps += 1
+        t = time.perf_counter() - t0
+        peak = max(peak, engine.manager.allocator.num_used)
+        new = 0
+        for i, req in list(live.items()):
+            seqs = req.live or req.finished
+            n = len(seqs[0].generated) if seqs else 0
+            new += n - len(stamps[i])
+            stamps[i].extend([t] * (n - len(stamps[i])))
+            if req.done:
+                del live[i]
+        if progress is not None:
+            progress.update(new)
+    wall = max(s[-1] for s in stamps if s)
+    out = _summary(due, stamps, wall)
+    out.update(steps=steps, peak_blocks=peak, num_blocks=engine.manager.allocator.num_blocks,
+               preemptions=engine.counts.preemptions, runner=type(engine.runner).__name__,
+               token_budget=args.token_budget, max_seqs=args.max_seqs)
+    return out
+
+
+# ---------------------------------------------------------------------- transformers
+
+def serve_transformers(path, requests, dtype_name: str, progress=None) -> dict:
+    """The same requests through transformers' continuous-batching manager, added at their
+    arrival times from this thread while the manager's own thread generates; each token's
+    time is the manager's own timestamp (``record_timestamps=True``)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    device = "cuda" if backend.on_gpu else "cpu"
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=getattr(torch, dtype_name))
+    hf = hf.to(device).eval()
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=16)
+    stamps = [[] for _ in requests]
+    due, ids = [0.0] * len(requests), {}
+    order = sorted(range(len(requests)), key=lambda i: requests[i][0])
+    with hf.continuous_batching_context_manager(
+            generation_config=config,
+            continuous_batching_config=ContinuousBatchingConfig()) as manager:
+        t0, done, k = time.perf_counter(), 0, 0
+        while done < len(requests):
+            now = time.perf_counter() - t0
+            while k < len(order) and requests[order[k]][0] <= now:
+                i = order[k]
+                arrival, prompt, out = requests[i]
+                due[i] = arrival
+                rid = manager.add_request(prompt, max_new_tokens=out, eos_token_id=-1,
+                                          record_timestamps=True)
+                ids[rid] = i
+                k += 1
+            wait = requests[order[k]][0] - now if k < len(order) else 1.0
+            result = manager.get_result(timeout=max(0.001, min(wait, 1.0)))
+            if result is None:
+                if not manager.is_running():
+                    break
+                continue
+            if result.is_finished():
+                i = ids[result.request_id]
+                stamps[i] = [s - t0 for s in (result.timestamps or [])]
+                done += 1
+                if progress is not None:
+                    progress.update(len(stamps[i]))
+    wall = max(s[-1] for s in stamps if s)
+    out = _summary(due, stamps, wall)
+    out.update(version=transformers.__version__, torch=torch.__version__,
+               attention=hf.config._attn_implementation, dtype=dtype_name)
+    return out
+
+
+# ---------------------------------------------------------------------- the command
+
+def _load(args):
+    from ..model import Llama, load_gguf
+    from ..model.gguf import model_path
+    path = model_path(args.gguf)
+    ckpt = load_gguf(path)
+    model = Llama(ckpt.config, ckpt.weights)      # float16 on a GPU, float32 on NumPy
+    return path, model, str(model.dtype)
+
+
+def _progress(total: int, name: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=name, unit="tok", disable=None, leave=False)
+
+
+def run(args) -> dict:
+    if args.quick:
+        n, (lo, hi) = args.requests or 12, args.lengths or (8, 40)
+    else:
+        n, (lo, hi) = args.requests or 256, args.lengths or (100, 1024)
+    requests = make_requests(n, lo, hi, args.seed, args.rate)
+    single_thread_blas()
+    path, model, dtype = _load(args)
+    r = {"command": "python -m pagedkv.bench.serve " + " ".join(args.argv),
+         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+         "machine": backend.describe(), "python": platform.python_version(),
+         "model": "SmolLM2-135M-Instruct", "dtype": dtype,
+         "workload": {"requests": n, "lengths": [lo, hi], "seed": args.seed,
+                      "rate": args.rate, "output_tokens": sum(o for *_, o in requests),
+                      "prompt_tokens": sum(len(p) for _, p, _ in requests)}}
+    print(f"{n} requests, prompts and outputs of {lo}-{hi} tokens, "
+          f"{'all at once' if not args.rate else f'{args.rate} a second'}; "
+          f"{r['workload']['output_tokens']} output tokens; {backend.name}", flush=True)
+    bar = _progress(r["workload"]["output_tokens"], "pagedkv")
+    r["pagedkv"] = serve_pagedkv(model, requests, args, bar)
+    if bar is not None:
+        bar.close()
+    if args.no_peer:
+        r["transformers"] = "not run (--no-peer)"
+    else:
+        try:
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            r["transformers"] = f"not importable ({type(exc).__name__}: {exc})"
+        else:
+            bar = _progress(r["workload"]["output_tokens"], "transformers")
+            try:
+                r["transformers"] = serve_transformers(path, requests, dtype, bar)
+            except Exception as exc:       # recorded, so that our numbers are kept
+                r["transformers"] = f"failed ({type(exc).__name__}: {exc})"
+            if bar is not None:
+                bar.close()
+    return r
+
+
+def table(r: dict) -> str:
+    engines = [k for k in ("pagedkv", "transformers") if isinstance(r.get(k), dict)]
+    lines = [f"{'':22}" + "".join(f"{k:>16}" for k in engines)]
+
+    def row(label, get, fmt="{:>16.1f}"):
+        lines.append(f"{label:22}" + "".join(fmt.format(get(r[k])) for k in engines))
+    row("output tokens/s", lambda e: e["output_tokens_per_s"])
+    row("wall s", lambda e: e["wall_s"], "{:>16.2f}")
+    for kind in ("ttft_ms", "itl_ms"):
+        for q in ("p50", "p90", "p99", "max"):
+            row(f"{kind[:-3].upper()} {q} ms", lambda e: e[kind][q], "{:>16.2f}")
+    p = r["pagedkv"]
+    lines.append(f"pagedkv: {p['steps']} steps, peak {p['peak_blocks']} of "
+                 f"{p['num_blocks']} blocks, {p['preemptions']} preemptions, "
+                 f"token budget {p['token_budget']}, {p['runner']}")
+    for k in ("transformers",):
+        if not isinstance(r.get(k), dict):
+            lines.append(f"{k}: {r.get(k)}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m pagedkv.bench.serve",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="12 requests of 8-40 tokens: a CPU-sized run")
+    p.add_argument("--requests", type=int, help="how many (default 256; 12 with --quick)")
+    p.add_argument("--lengths", type=int, nargs=2, metavar=("LO", "HI"),
+                   help="prompt and output lengths, uniform in [LO, HI] (default 100 1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=None,
+                   help="Poisson arrivals, requests a second (default: all at once)")
+    p.add_argument("--token-budget", type=int, default=2048,
+                   help="tokens a step computes, prefills and decodes (default 2048; "
+                        "0: no budget, every admitted prompt prefilled at once)")
+    p.add_argument("--max-seqs", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=0,
+                   help="pool blocks (default: every block the requests could need)")
+    p.add_argument("--runner", choices=("plain", "fast", "fast-eager"), default=None,
+                   help="default: fast on a GPU, plain on a CPU")
+    p.add_argument("--no-peer", action="store_true", help="skip transformers")
+    p.add_argument("--json", metavar="PATH", help="write every number to PATH")
+    p.add_argument("--gguf", metavar="PATH", help="the model file (default: $PAGEDKV_GGUF, "
+                   "else the installed package's)")
+    args = p.parse_args(argv)
+    for name in ("requests", "max_seqs"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.lengths and not 1 <= args.lengths[0] <= args.lengths[1]:
+        p.error("--lengths LO HI needs 1 <= LO <= HI")
+    if args.rate is not None and args.rate <= 0:
+        p.error("--rate must be positive")
+    if args.token_budget < 0:
+        p.error("--token-budget must be at least 0")
+    args.token_budget = args.token_budget or None
+    args.argv = argv
+    r = run(args)
+    print(table(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
