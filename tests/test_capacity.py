@@ -147,8 +147,8 @@ def test_capacity_table(tenth_of_an_h200):
     text = cap.capacity_table(budget, fits, simulated)
     lines = text.splitlines()
     assert len(lines) == 2 + len(fits) and max(map(len, lines)) <= 88
-    assert lines[0] == ("GPU 141.0 GB: weights 16.06 GB, runtime 14.10 GB, "
-                        "K/V 110.84 GB")
+    assert lines[0] == ("GPU 141.0 GB, 90% to the engine: weights 16.06 GB, "
+                        "runtime 14.10 GB, K/V 110.84 GB")
     assert lines[2].split()[:3] == ["contiguous,", "8192", "10"]
     assert lines[3].split()[-1] == f"{simulated[1]:,.0f}"
     assert cap.capacity_table(budget, fits).splitlines()[2].endswith("-")

@@ -121,8 +121,9 @@ def kv_budget(gpu_bytes: int = H200_BYTES,
 
 @dataclass(frozen=True)
 class Fit:
-    """How many sequences one scheme fits in a pool, counted in token slots: the slots
-    they hold, and the tokens they store at their full lengths."""
+    """How many sequences one scheme fits in a pool, counted in token slots: the pool's
+    slots (for paging, its whole blocks), the slots the sequences hold, and the tokens
+    they store at their full lengths."""
     scheme: str
     sequences: int
     pool_tokens: int
@@ -227,8 +228,9 @@ def capacity_table(budget: Budget, fits, simulated=()) -> str:
     if simulated and len(simulated) != len(fits):
         raise ConfigError(f"simulated needs one number per fit ({len(fits)}), "
                           f"got {len(simulated)}")
-    rows = [f"GPU {budget.gpu_bytes / GB:.1f} GB: weights {budget.weight_bytes / GB:.2f} GB, "
-            f"runtime {budget.runtime_bytes / GB:.2f} GB, K/V {budget.kv_bytes / GB:.2f} GB",
+    rows = [f"GPU {budget.gpu_bytes / GB:.1f} GB, {budget.utilization:.0%} to the engine: "
+            f"weights {budget.weight_bytes / GB:.2f} GB, runtime "
+            f"{budget.runtime_bytes / GB:.2f} GB, K/V {budget.kv_bytes / GB:.2f} GB",
             f"{'scheme':<18}{'sequences':>10}{'K/V stored':>12}{'held empty':>12}"
             f"{'free':>8}{'simulated':>11}"]
     for i, f in enumerate(fits):
