@@ -15,9 +15,11 @@ The numbers, and where they come from:
 
 * Llama-3-8B's K/V shape (:data:`LLAMA3_8B`): 32 layers, 8 KV heads of 128 numbers in
   bfloat16 (its ``config.json``; the Llama 3 paper, Grattafiori et al. 2024), so 131,072
-  bytes a token; its context, 8,192 tokens (:data:`LLAMA3_8B_CONTEXT`, ``max_position_embeddings``).
+  bytes a token; its context, 8,192 tokens (:data:`LLAMA3_8B_CONTEXT`, the config's
+  ``max_position_embeddings``).
 * Its weights (:data:`LLAMA3_8B_PARAMS`): 8,030,261,248 parameters (counted from the same
-  config in :func:`llama3_8b_params`; "8.03B" on its model card), 2 bytes each in bfloat16.
+  config in :func:`llama3_8b_params`; "8.03B params" as Hugging Face lists the model), 2
+  bytes each in bfloat16.
 * One H200's memory (:data:`H200_BYTES`): 141 GB of HBM3e by NVIDIA's datasheet, read as
   141 x 10**9 bytes. ``nvidia-smi`` on the H200 machines this project runs on reports
   143,771 MiB (150.8 x 10**9 bytes; noted 2026-10-27): the datasheet figure is the
