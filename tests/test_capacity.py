@@ -182,3 +182,19 @@ def test_plot_capacity_artists(tenth_of_an_h200):
         plot_capacity(budget, fits, [3.0])
     with pytest.raises(ConfigError, match="at least one fit"):
         plot_capacity(budget, [])
+
+
+def test_both_bookkeepings_simulate_the_same_run():
+    """The chapter simulates with the fast bookkeeping (chapter 8); the teaching one
+    gives the same run, step for step."""
+    print(f"seed={SEED}")
+    kv_bytes = cap.kv_budget().kv_bytes // 50
+    wl = sim.make_workload("chat", n=120, seed=SEED, rate=0.3)
+    fast, teaching = (cap.simulate_capacity(wl, kv_bytes, policies=("paged:16",),
+                                            bookkeeping=b)["paged:16"]
+                      for b in ("fast", "teaching"))
+    assert (fast.series["waiting"] > 0).any()             # memory limited it
+    assert fast.series.keys() == teaching.series.keys()
+    for key in fast.series:
+        assert np.array_equal(fast.series[key], teaching.series[key]), key
+    assert cap.concurrency(fast) == cap.concurrency(teaching) > 0
