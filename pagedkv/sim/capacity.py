@@ -22,7 +22,7 @@ The numbers, and where they come from:
   bytes each in bfloat16.
 * One H200's memory (:data:`H200_BYTES`): 141 GB of HBM3e by NVIDIA's datasheet, read as
   141 x 10**9 bytes. ``nvidia-smi`` on the H200 machines this project runs on reports
-  143,771 MiB (150.8 x 10**9 bytes; noted 2026-10-27): the datasheet figure is the
+  143,771 MiB (150.8 x 10**9 bytes; seen 2026-10-27 and 2026-12-02): the datasheet is the
   smaller, so the counts here are not flattered by it.
 * The share a serving engine takes (:data:`GPU_MEMORY_UTILIZATION`): 0.9, the default of
   vLLM's ``gpu_memory_utilization`` up to at least v0.10.2 (``CacheConfig`` in
