@@ -252,7 +252,8 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
             err_fi = rel_err(got, fo.float().cpu().numpy().astype(np.float64))
             assert err_fi < 2 * TOL[dtype], f"differs from {name} by {err_fi:.2e}"
             ms_fi, single = time_fn(fi, "torch", reps=args.reps)
-            r = row(name, ms_fi, err_vs_ours=err_fi, us_single_call=round(single * 1e3, 2))
+            r = row(name, ms_fi, err_vs_ours=err_fi, us_single_call=round(single * 1e3, 2),
+                    backend=fi.backend)
             msg.append(f"{name} {ms_fi * 1e3:7.1f} us")
             if fi_best is None or r["us"] < fi_best["us"]:
                 fi_best = r
@@ -404,10 +405,13 @@ def main(argv=None):
     log(json.dumps(meta))
     t0 = time.time()
     if "flashinfer" in peers:
-        prebuild_flashinfer(peers["torch"], [d for d in dtypes if d != "float32"],
-                            spec["head_dim"])
+        meta.update(prebuild_flashinfer(peers["torch"], [d for d in dtypes if d != "float32"],
+                                        spec["head_dim"], peers["flashinfer"]))
         meta["flashinfer_build_s"] = round(time.time() - t0, 1)
-        log(f"FlashInfer modules ready after {meta['flashinfer_build_s']} s")
+        log(f"FlashInfer {meta['flashinfer_version']}: " + (
+            f"modules ready after {meta['flashinfer_build_s']} s "
+            f"({meta['flashinfer_prebuild']})" if meta["flashinfer_prebuilt"] else
+            f"not prebuilt, {meta['flashinfer_prebuild']}; its modules compile at first use"))
     bw, ms = copy_bandwidth()
     rbw, rms = read_bandwidth()
     meta.update(copy_bandwidth_tbps=round(bw / 1e12, 4), read_bandwidth_tbps=round(rbw / 1e12, 4))
