@@ -1,5 +1,5 @@
 """The kernel benchmark's pieces that run without a GPU: the identity-table layout of the
-paging tax (checked through the NumPy decode), and the tax's arithmetic and printed table on
+paging tax (checked through the decode: NumPy here, the CUDA kernel on a GPU), and the tax's arithmetic and printed table on
 made-up rows (no timing is measured or asserted here)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pagedkv.kernels import paged_decode_attention
 
 SEED = 23
 
-pytestmark = pytest.mark.skipif(backend.on_gpu, reason="the NumPy path of the bench pieces")
+host = backend.to_numpy
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -24,6 +24,10 @@ def test_identity_layout_holds_the_same_kv_and_gives_the_same_output(dtype):
     lens = bk.shape_lengths(shape, SEED)
     q, cache, tables, dlens = bk.make_problem(lens, 8, 2, 64, 16, dtype, SEED)
     cache_c, tables_c = bk.contiguous_layout(cache, tables)
+    out = host(paged_decode_attention(q, cache, tables, dlens))
+    out_c = host(paged_decode_attention(q, cache_c, tables_c, dlens))
+    assert np.array_equal(out, out_c)              # same numbers, same arithmetic
+    cache, tables, cache_c, tables_c = map(host, (cache, tables, cache_c, tables_c))
     batch, nblocks = tables.shape
     pages = -(-lens // 16)
     assert tables_c.dtype == np.int32 and tables_c.shape == tables.shape
@@ -34,9 +38,6 @@ def test_identity_layout_holds_the_same_kv_and_gives_the_same_output(dtype):
     # the scattered table really is scattered, so the test compares two layouts
     assert any(tables[b, i + 1] != tables[b, i] + 1 for b in range(batch)
                for i in range(pages[b] - 1))
-    out = paged_decode_attention(q, cache, tables, dlens)
-    out_c = paged_decode_attention(q, cache_c, tables_c, dlens)
-    assert np.array_equal(out, out_c)              # same numbers, same arithmetic
 
 
 def _rows():

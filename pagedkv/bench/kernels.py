@@ -5,8 +5,14 @@ one process: our ``paged_decode_attention`` (the automatic choice, and the other
 FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` on the very same cache memory, both its
 CUDA-core and its tensor-core path, when FlashInfer imports (a group FlashInfer might crash on
 is first tried in a child process); PyTorch SDPA on the same K/V gathered contiguous when the
-lengths are equal. Outputs are checked against the float64 reference (on two sequences) and the
-peers before anything is timed. Times are medians of CUDA-event timings after warm-up;
+lengths are equal; and, for the paging tax, our kernel again on the same K/V with each
+sequence's blocks consecutive and the identity page table (``pagedkv.identity_table``). The
+tax is ours / SDPA − 1; ours / identity − 1 is the part the scattered blocks cost. The
+``tax_sweep`` of the shapes file times the same columns against sequence length (rows
+``tax_sweep.*``). FlashInfer's JIT modules are prebuilt through the installed release's own API
+(0.2.x or 0.7), or compile at first use where it has none known here; the run's meta records
+``flashinfer_version`` and ``flashinfer_prebuilt``. Outputs are checked against the float64
+reference (on two sequences) and the peers before anything is timed. Times are medians of CUDA-event timings after warm-up;
 bandwidth is K+V bytes read / time in decimal TB/s. Ceilings: a 2 GiB device-to-device copy
 (bytes read + written) and a read-only kernel over 2 GiB. ``--staircase`` times chapter 9's
 seven steps; ``write_kv`` and ``copy_blocks`` are timed moving 1 GB.
