@@ -6,6 +6,7 @@
 # FI_WHEELS: the wheels of scripts/flashinfer_wheels.sh (0.7.2.post1 and what its import
 # needs) or of /work/shared/tools/flashinfer-wheel.sh (0.2.14.post1), carried in with the
 # call; they go into a target of their own (/tmp/site-$NAME), so two releases never mix.
+# Runs the staircase too (--staircase), so chapter 9 can read everything from one file.
 # Writes $OUT/$NAME.json (the rows and the run's meta: flashinfer_version,
 # flashinfer_prebuilt, the paging tax) and $OUT/$NAME.log. BENCH_ARGS adds arguments (say
 # "--only 0 2" for a short check); BENCH_S caps the benchmark's seconds (default 540).
@@ -29,7 +30,7 @@ numpy.__version__, 'torch', torch.__version__)"
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, \
 flashinfer.__file__)"; } > "$LOG" 2>&1 || { cat "$LOG"; echo "FlashInfer does not import"; exit 1; }
 timeout "${BENCH_S:-540}" python3 -m pagedkv.bench.kernels --json "$OUT/$NAME.json" \
-    --reps 20 ${BENCH_ARGS:-} >> "$LOG" 2>&1
+    --reps 20 --staircase ${BENCH_ARGS:-} >> "$LOG" 2>    --reps 20 ${BENCH_ARGS:-} >> "$LOG" 2>&11
 rc=$?
 echo "bench exit $rc" >> "$LOG"
 tail -70 "$LOG"
