@@ -30,7 +30,7 @@ numpy.__version__, 'torch', torch.__version__)"
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, \
 flashinfer.__file__)"; } > "$LOG" 2>&1 || { cat "$LOG"; echo "FlashInfer does not import"; exit 1; }
 timeout "${BENCH_S:-540}" python3 -m pagedkv.bench.kernels --json "$OUT/$NAME.json" \
-    --reps 20 --staircase ${BENCH_ARGS:-} >> "$LOG" 2>    --reps 20 ${BENCH_ARGS:-} >> "$LOG" 2>&11
+    --reps 20 --staircase ${BENCH_ARGS:-} >> "$LOG" 2>&1
 rc=$?
 echo "bench exit $rc" >> "$LOG"
 tail -70 "$LOG"
