@@ -138,3 +138,16 @@ def test_unknown_version_skips(monkeypatch, no_flashinfer):
     assert res == dict(flashinfer_version="dev", flashinfer_prebuilt=False,
                        flashinfer_prebuild="skipped: version 'dev' is not one this knows")
     assert built == []
+
+
+def test_a_failed_build_is_recorded_not_raised(monkeypatch, no_flashinfer):
+    log, built = [], []
+    fi = release_0_7(monkeypatch, log, built)
+
+    def broken(specs):
+        raise RuntimeError("ninja: build stopped: subcommand failed.")
+    monkeypatch.setattr(sys.modules["flashinfer.jit"], "build_jit_specs", broken)
+    res = kernel_peers.prebuild_flashinfer(FakeTorch, ["float16"], 128, fi)
+    assert res["flashinfer_prebuilt"] is False
+    assert res["flashinfer_prebuild"].startswith("failed: flashinfer.jit")
+    assert "ninja: build stopped" in res["flashinfer_prebuild"]

@@ -90,7 +90,11 @@ def prebuild_flashinfer(torch, dtypes, head_dim, flashinfer=None):
         res["flashinfer_prebuild"] = (f"skipped: FlashInfer {version} has no prebuild API "
                                       f"known here ({type(exc).__name__}: {exc})")
         return res
-    build(specs)
+    try:
+        build(specs)
+    except Exception as exc:   # the build itself failed: first use will try again, and say
+        res["flashinfer_prebuild"] = f"failed: {api}: {type(exc).__name__}: {exc}"[:600]
+        return res
     res.update(flashinfer_prebuilt=True, flashinfer_prebuild=api)
     return res
 
