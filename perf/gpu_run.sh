@@ -32,7 +32,7 @@ stamp "FlashInfer JIT build (background)"
 python3 -c "
 import time, torch; t = time.time()
 from pagedkv.bench.kernel_peers import prebuild_flashinfer
-prebuild_flashinfer(torch, ['float16', 'bfloat16'], 128); print('built in', round(time.time() - t, 1), 's')
+print(prebuild_flashinfer(torch, ['float16', 'bfloat16'], 128), 'in', round(time.time() - t, 1), 's')
 " > $OUT/fi_build.log 2>&1 &
 FI=$!
 

@@ -141,3 +141,58 @@ def test_draw_fragments_labels_and_padding():
     assert len(_rects(fig5.axes[1])) == 16 * 5
     with pytest.raises(ValueError):
         kernels.draw_fragments(group=9)
+
+
+def _tax_run():
+    """A made-up run (not measured): two head layouts, three lengths; FlashInfer and one
+    SDPA point missing, and main-table rows that the figure must leave out."""
+    rows = []
+    for qh in (32, 64):
+        for L, ours, ident, sdpa in ((256, 20.0, 19.0, 16.0), (1024, 40.0, 39.0, None),
+                                     (4096, 100.0, 98.0, 95.0)):
+            for impl, us in (("pagedkv", ours + qh), ("pagedkv.identity_table", ident + qh),
+                             ("sdpa_contiguous", sdpa and sdpa + qh)):
+                if us is not None:
+                    rows.append(dict(impl="tax_sweep." + impl, us=us, dtype="float16",
+                                     batch=16, seq_len=L, q_heads=qh, kv_heads=8))
+    rows.append(dict(impl="pagedkv", us=1.0, dtype="float16", batch=16, seq_len=4096,
+                     q_heads=32, kv_heads=8))
+    rows.append(dict(impl="tax_sweep.pagedkv", us=1.0, dtype="bfloat16", batch=16,
+                     seq_len=4096, q_heads=32, kv_heads=8))
+    return {"meta": {}, "rows": rows}
+
+
+def test_paging_tax_points_from_the_sweep_rows_only():
+    pts = kernels.paging_tax_points(_tax_run())
+    assert list(pts) == [(32, 8), (64, 8)]
+    p = pts[(32, 8)]
+    assert p["seq_len"] == [256, 1024, 4096]
+    assert p["pagedkv"] == [52.0, 72.0, 132.0]           # not the main table's 1.0
+    assert p["pagedkv.identity_table"] == [51.0, 71.0, 130.0]
+    assert p["sdpa_contiguous"] == [48.0, None, 127.0]
+    assert p["flashinfer"] == [None, None, None]
+    assert kernels.paging_tax_points(_tax_run(), "bfloat16")[(32, 8)]["pagedkv"] == [1.0]
+    with pytest.raises(ValueError, match="tax_sweep"):
+        kernels.paging_tax_points({"rows": [r for r in _tax_run()["rows"]
+                                            if not r["impl"].startswith("tax_sweep")]})
+
+
+def test_draw_paging_tax_plots_times_and_the_tax():
+    fig = kernels.draw_paging_tax(_tax_run())
+    assert isinstance(fig, Figure)
+    assert len(fig.axes) == 4                                 # 2 layouts x (time, tax)
+    top, bottom = fig.axes[0], fig.axes[2]
+    lines = {ln.get_label(): ln for ln in top.get_lines()}
+    assert set(lines) == {"ours, pages scattered", "ours, pages in order (identity table)",
+                          "SDPA, contiguous K/V (no page table)"}   # no FlashInfer rows
+    assert list(lines["ours, pages scattered"].get_ydata()) == [52.0, 72.0, 132.0]
+    assert list(lines["SDPA, contiguous K/V (no page table)"].get_xdata()) == [256, 4096]
+    tax = {ln.get_label(): ln for ln in bottom.get_lines()}
+    np.testing.assert_allclose(tax["tax: ours / SDPA − 1"].get_ydata(),
+                               [100 * (52 / 48 - 1), 100 * (132 / 127 - 1)])
+    np.testing.assert_allclose(tax["scatter: ours / identity − 1"].get_ydata(),
+                               [100 * (52 / 51 - 1), 100 * (72 / 71 - 1),
+                                100 * (132 / 130 - 1)])
+    assert list(tax["goal: 3%"].get_ydata()) == [3.0, 3.0]
+    assert [t.get_text() for t in bottom.get_xticklabels()] == ["256", "1K", "4K"]
+    assert top.get_title() == "32/8 heads (group 4), float16"

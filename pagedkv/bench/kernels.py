@@ -5,8 +5,14 @@ one process: our ``paged_decode_attention`` (the automatic choice, and the other
 FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` on the very same cache memory, both its
 CUDA-core and its tensor-core path, when FlashInfer imports (a group FlashInfer might crash on
 is first tried in a child process); PyTorch SDPA on the same K/V gathered contiguous when the
-lengths are equal. Outputs are checked against the float64 reference (on two sequences) and the
-peers before anything is timed. Times are medians of CUDA-event timings after warm-up;
+lengths are equal; and, for the paging tax, our kernel again on the same K/V with each
+sequence's blocks consecutive and the identity page table (``pagedkv.identity_table``). The
+tax is ours / SDPA − 1; ours / identity − 1 is the part the scattered blocks cost. The
+``tax_sweep`` of the shapes file times the same columns against sequence length (rows
+``tax_sweep.*``). FlashInfer's JIT modules are prebuilt through the installed release's own API
+(0.2.x or 0.7), or compile at first use where it has none known here; the run's meta records
+``flashinfer_version`` and ``flashinfer_prebuilt``. Outputs are checked against the float64
+reference (on two sequences) and the peers before anything is timed. Times are medians of CUDA-event timings after warm-up;
 bandwidth is K+V bytes read / time in decimal TB/s. Ceilings: a 2 GiB device-to-device copy
 (bytes read + written) and a read-only kernel over 2 GiB. ``--staircase`` times chapter 9's
 seven steps; ``write_kv`` and ``copy_blocks`` are timed moving 1 GB.
@@ -162,6 +168,18 @@ def make_problem(lens, q_heads, kv_heads, head_dim, block_size, dtype, seed):
     return q, cache, cp.asarray(tables), cp.asarray(lens)
 
 
+def contiguous_layout(cache, tables):
+    """The same K/V with each sequence's blocks side by side, and its identity page table:
+    block ``i`` of sequence ``b`` is block ``b * nblocks + i`` (``nblocks``: the table's
+    width). A table entry past a sequence's end points at a copy of what the scattered
+    table's padding pointed at, which no kernel reads. Our kernel on this layout does the
+    same lookups and arithmetic as on the scattered one; only where the blocks lie differs."""
+    xp = backend.xp
+    batch, nblocks = tables.shape
+    cache_c = cache[xp.asarray(tables).reshape(-1)]      # block b*nblocks+i = tables[b, i]
+    return cache_c, xp.arange(batch * nblocks, dtype=xp.int32).reshape(batch, nblocks)
+
+
 def host_float(a):
     a = backend.to_numpy(a)
     return (a.view(BF16) if a.dtype == np.uint16 else a).astype(np.float64)
@@ -187,7 +205,10 @@ def reference_subset(q, cache, tables, lens, rows):
 
 # --------------------------------------------------------------------------- the runs
 
-def bench_decode(shape, dtype, spec, peers, args, rows, log):
+def bench_decode(shape, dtype, spec, peers, args, rows, log, prefix="", both_kernels=True):
+    """Time one shape: ours (the automatic choice; with ``both_kernels`` the other kernel too),
+    ours on the identity table, FlashInfer, SDPA. ``prefix`` starts every row's ``impl`` (the
+    length sweep's rows are ``tax_sweep.*``, apart from the shapes' table)."""
     cp = backend.xp
     q_heads, kv_heads = shape["q_heads"], shape["kv_heads"]
     d, bs = spec["head_dim"], spec["block_size"]
@@ -200,7 +221,7 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
                 floor_us=round(kv_bytes / RATED_TBPS / 1e6, 2))
 
     def row(impl, ms, **extra):
-        r = dict(impl=impl, **base, us=round(ms * 1e3, 2),
+        r = dict(impl=prefix + impl, **base, us=round(ms * 1e3, 2),
                  tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 4), **extra)
         rows.append(r)
         return r
@@ -209,7 +230,7 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
     pick = [0, len(lens) - 1] if len(lens) > 1 else [0]
     ref = reference_subset(q, cache, tables, dlens, pick)
     out = cp.empty_like(q)
-    paths = [None] if dtype == "float32" else [None, False, True]
+    paths = [None] if dtype == "float32" or not both_kernels else [None, False, True]
     got, msg = None, []
     for tc in paths:
         out.fill(0x7FC0 if out.dtype == np.uint16 else np.nan)
@@ -232,6 +253,24 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
             ms_l, _ = time_fn(lambda: plan.run(q, cache, tables, dlens, out), reps=args.reps)
             row("pagedkv.launch_only", ms_l, path=plan.path)
 
+    # the paging tax's first part: the same K/V, each sequence's blocks consecutive, the
+    # identity page table; ours(scattered) / ours(identity) - 1 is what the scatter costs
+    cache_c, tables_c = contiguous_layout(cache, tables)
+    out.fill(0x7FC0 if out.dtype == np.uint16 else np.nan)
+    plan = decode_plan(q, cache_c, tables_c)
+    paged_decode_attention(q, cache_c, tables_c, dlens, out=out)
+    res = host_float(out)
+    err = rel_err(res[pick], ref)
+    assert err < TOL[dtype], f"identity table: error vs reference {err:.2e} ≥ {TOL[dtype]}"
+    same = bool(np.array_equal(res, got))    # the same arithmetic: bit for bit, expected
+    ms_c, single = time_fn(lambda: paged_decode_attention(q, cache_c, tables_c, dlens,
+                                                          out=out), reps=args.reps)
+    row("pagedkv.identity_table", ms_c, path=plan.path, num_splits=plan.num_splits,
+        err_vs_ref=err, bitwise_equal_to_scattered=same,
+        us_single_call=round(single * 1e3, 2))
+    msg.append(f"identity table {ms_c * 1e3:7.1f} us" + ("" if same else " (not bitwise)"))
+    del cache_c, tables_c
+
     torch = peers.get("torch")
     fi_best, fi_note = None, ""
     if "flashinfer" in peers and dtype != "float32":
@@ -252,7 +291,8 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
             err_fi = rel_err(got, fo.float().cpu().numpy().astype(np.float64))
             assert err_fi < 2 * TOL[dtype], f"differs from {name} by {err_fi:.2e}"
             ms_fi, single = time_fn(fi, "torch", reps=args.reps)
-            r = row(name, ms_fi, err_vs_ours=err_fi, us_single_call=round(single * 1e3, 2))
+            r = row(name, ms_fi, err_vs_ours=err_fi, us_single_call=round(single * 1e3, 2),
+                    backend=fi.backend)
             msg.append(f"{name} {ms_fi * 1e3:7.1f} us")
             if fi_best is None or r["us"] < fi_best["us"]:
                 fi_best = r
@@ -276,6 +316,19 @@ def bench_decode(shape, dtype, spec, peers, args, rows, log):
         del kc, vc
     log(f"  {dtype:8s} b{len(lens):<4d} L{shape['seq_len']!s:<6s} {q_heads}/{kv_heads}: "
         + " | ".join(msg))
+
+
+def bench_tax_sweep(sweep, spec, peers, args, rows, log):
+    """The paging tax against sequence length: for each head layout and length of
+    ``sweep`` (``batch``, ``heads`` [[q, kv], ...], ``seq_lens``, ``dtype``), ours on the
+    scattered table, ours on the identity table, FlashInfer and SDPA, as rows
+    ``tax_sweep.*``."""
+    for q_heads, kv_heads in sweep["heads"]:
+        for L in sweep["seq_lens"]:
+            shape = dict(batch=sweep["batch"], seq_len=L, q_heads=q_heads, kv_heads=kv_heads)
+            bench_decode(shape, sweep["dtype"], spec, peers, args, rows, log,
+                         prefix="tax_sweep.", both_kernels=False)
+            free_memory(peers)
 
 
 def bench_staircase(shapes, spec, rows, log, reps):
@@ -338,15 +391,81 @@ def bench_cache_ops(rows, log, copy_bw):
             f"{bw / 1e12:.3f} TB/s = {bw / copy_bw:.1%} of copy")
 
 
+def _gm(xs):
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def paging_tax(rows, prefix=""):
+    """Per shape (rows whose ``impl`` starts with ``prefix``): ours on the scattered table,
+    ours on the identity table, SDPA on contiguous K/V, FlashInfer; and
+
+    * ``tax`` = ours / SDPA − 1: what paging costs against no page table at all;
+    * ``indirection`` = ours / ours on the identity table − 1: the part of it that comes
+      from the blocks being scattered (the lookups and address arithmetic are the same in
+      both, so they are not in it);
+    * ``rest`` = ours on the identity table / SDPA − 1: the part that is not the scatter;
+    * ``fi_over_ours`` = FlashInfer's time / ours (> 1: ours is faster).
+
+    Returns {(dtype, batch, seq_len, q_heads, kv_heads): dict of those (None where a column
+    did not run)}, in the rows' order."""
+    impls = {prefix + k: k for k in ("pagedkv", "pagedkv.identity_table", "sdpa_contiguous",
+                                     "flashinfer")}
+    by = {}
+    for r in rows:
+        if r["impl"] in impls:
+            key = (r["dtype"], r["batch"], r["seq_len"], r["q_heads"], r["kv_heads"])
+            by.setdefault(key, {})[impls[r["impl"]]] = r["us"]
+    out = {}
+    for key, us in by.items():
+        if "pagedkv" not in us:
+            continue
+        o, i, s, f = (us.get(k) for k in ("pagedkv", "pagedkv.identity_table",
+                                          "sdpa_contiguous", "flashinfer"))
+        out[key] = dict(ours_us=o, identity_us=i, sdpa_us=s, flashinfer_us=f,
+                        tax=o / s - 1 if s else None,
+                        indirection=o / i - 1 if i else None,
+                        rest=i / s - 1 if i and s else None,
+                        fi_over_ours=f / o if f else None)
+    return out
+
+
+def tax_goals(cases, tax_goal=0.03):
+    """The issue's goals over :func:`paging_tax`'s cases: geometric means of the tax and its
+    parts (as ratios − 1), and FlashInfer's time over ours per GQA group."""
+    pick = lambda name: [1 + c[name] for c in cases.values() if c[name] is not None]
+    gm1 = lambda xs: None if not xs else _gm(xs) - 1
+    groups = {}
+    for k, c in cases.items():
+        if c["fi_over_ours"] is not None:
+            groups.setdefault(k[3] // k[4], []).append(c["fi_over_ours"])
+    by_group = {g: _gm(v) for g, v in sorted(groups.items())}
+    tax = gm1(pick("tax"))
+    return dict(geomean_tax=tax, tax_cases=len(pick("tax")),
+                geomean_indirection=gm1(pick("indirection")),
+                indirection_cases=len(pick("indirection")),
+                geomean_rest=gm1(pick("rest")), tax_goal=tax_goal,
+                tax_goal_met=None if tax is None else tax <= tax_goal,
+                flashinfer_over_pagedkv_by_group=by_group,
+                ahead_of_flashinfer_every_group=(all(x > 1 for x in by_group.values())
+                                                 if by_group else None))
+
+
 def summary(rows, log):
-    """The table, and geometric means of FlashInfer's time over ours (> 1: we are faster)."""
+    """The table, geometric means of FlashInfer's time over ours (> 1: we are faster), and
+    the paging tax (ours against SDPA on contiguous K/V, and against ours on the identity
+    table)."""
     by = {}
     for r in rows:
         if r["impl"] in ("pagedkv", "flashinfer", "sdpa_contiguous"):
             key = (r["dtype"], r["batch"], r["seq_len"], r["q_heads"], r["kv_heads"])
             by.setdefault(key, {})[r["impl"]] = r
+    cases = paging_tax(rows)
+    pct = lambda x: f"{x:+7.1%}" if x is not None else f"{'-':>7s}"
+    fmt = lambda x: "-" if x is None else f"{x:+.1%}"
+    tick = {True: "met", False: "not met", None: "-"}
     log(f"\n{'dtype':9s}{'batch':>6s}{'seq':>7s}{'heads':>7s} | {'ours us':>8s} {'path':>5s} | "
-        f"{'FI us':>8s} {'path':>5s} | {'sdpa us':>8s} | {'FI/ours':>7s} {'sdpa/ours':>9s}")
+        f"{'FI us':>8s} {'path':>5s} | {'sdpa us':>8s} | {'ident us':>8s} | {'FI/ours':>7s} "
+        f"{'sdpa/ours':>9s} | {'tax':>7s} {'scatter':>7s}")
     ratios, g8 = [], []
     for k, v in by.items():
         o, f, s = v["pagedkv"], v.get("flashinfer"), v.get("sdpa_contiguous")
@@ -355,19 +474,39 @@ def summary(rows, log):
             ratios.append(ratio)
             if k[3] == 8 * k[4]:
                 g8.append(ratio)
+        c = cases.get(k, {})
         cell = lambda r: f"{r['us']:8.1f} {'tc' if r.get('path', '').startswith('t') else 'cc':>5s}"
         log(f"{k[0]:9s}{k[1]:6d}{k[2]!s:>7s}{k[3]:>4d}/{k[4]:<2d} | {cell(o)} | "
             + (cell(f) if f else f"{'not run':>14s}") + " | "
             + (f"{s['us']:8.1f}" if s else f"{'-':>8s}") + " | "
+            + (f"{c['identity_us']:8.1f}" if c.get("identity_us") else f"{'-':>8s}") + " | "
             + (f"{ratio:7.3f}" if ratio else f"{'-':>7s}")
-            + (f" {s['us'] / o['us']:9.3f}" if s else ""))
-    gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
-    res = dict(geomean_flashinfer_over_pagedkv=gm(ratios), cases=len(ratios),
+            + (f" {s['us'] / o['us']:9.3f}" if s else f" {'-':>9s}")
+            + f" | {pct(c.get('tax'))} {pct(c.get('indirection'))}")
+    res = dict(geomean_flashinfer_over_pagedkv=_gm(ratios), cases=len(ratios),
                pagedkv_faster_cases=sum(r > 1 for r in ratios),
-               geomean_group8=gm(g8), group8_cases=len(g8))
+               geomean_group8=_gm(g8), group8_cases=len(g8))
     log(f"geometric mean of FlashInfer time / ours: {res['geomean_flashinfer_over_pagedkv']} over "
         f"{len(ratios)} cases (ours faster on {res['pagedkv_faster_cases']}); group 8: "
         f"{res['geomean_group8']} over {len(g8)}")
+    goals = tax_goals(cases)
+    res["paging_tax"] = goals
+    if goals["geomean_tax"] is not None or goals["geomean_indirection"] is not None:
+        log(f"paging tax (ours / SDPA on contiguous K/V - 1), geometric mean: "
+            f"{fmt(goals['geomean_tax'])} over {goals['tax_cases']} cases (goal "
+            f"{goals['tax_goal']:.0%}: {tick.get(goals['tax_goal_met'])}); "
+            f"the scatter's part (ours / ours on the identity table - 1): "
+            f"{fmt(goals['geomean_indirection'])} over {goals['indirection_cases']}; the rest "
+            f"(identity table / SDPA - 1): {fmt(goals['geomean_rest'])}")
+        log("FlashInfer time / ours by GQA group: " + ", ".join(
+            f"{g}: {x:.3f}" for g, x in goals["flashinfer_over_pagedkv_by_group"].items()))
+    sweep = paging_tax(rows, "tax_sweep.")
+    if sweep:
+        log(f"\nlength sweep ({len(sweep)} points): " + "; ".join(
+            f"{k[3]}/{k[4]} L{k[2]}: tax {fmt(c['tax'])}, scatter {fmt(c['indirection'])}"
+            for k, c in sweep.items()))
+        res["tax_sweep"] = [dict(zip(("dtype", "batch", "seq_len", "q_heads", "kv_heads"), k),
+                                 **c) for k, c in sweep.items()]
     return res
 
 
@@ -387,6 +526,8 @@ def main(argv=None):
     ap.add_argument("--staircase", action="store_true", help="also time chapter 9's steps")
     ap.add_argument("--no-peers", action="store_true", help="time our kernels only")
     ap.add_argument("--no-flashinfer", action="store_true", help="peers without FlashInfer")
+    ap.add_argument("--no-tax-sweep", action="store_true",
+                    help="skip the paging tax against sequence length (tax_sweep of shapes)")
     args = ap.parse_args(argv)
     if not backend.on_gpu:
         print(f"no usable GPU ({backend.reason}): nothing to time")
@@ -404,10 +545,13 @@ def main(argv=None):
     log(json.dumps(meta))
     t0 = time.time()
     if "flashinfer" in peers:
-        prebuild_flashinfer(peers["torch"], [d for d in dtypes if d != "float32"],
-                            spec["head_dim"])
+        meta.update(prebuild_flashinfer(peers["torch"], [d for d in dtypes if d != "float32"],
+                                        spec["head_dim"], peers["flashinfer"]))
         meta["flashinfer_build_s"] = round(time.time() - t0, 1)
-        log(f"FlashInfer modules ready after {meta['flashinfer_build_s']} s")
+        log(f"FlashInfer {meta['flashinfer_version']}: " + (
+            f"modules ready after {meta['flashinfer_build_s']} s "
+            f"({meta['flashinfer_prebuild']})" if meta["flashinfer_prebuilt"] else
+            f"not prebuilt, {meta['flashinfer_prebuild']}; its modules compile at first use"))
     bw, ms = copy_bandwidth()
     rbw, rms = read_bandwidth()
     meta.update(copy_bandwidth_tbps=round(bw / 1e12, 4), read_bandwidth_tbps=round(rbw / 1e12, 4))
@@ -429,7 +573,9 @@ def main(argv=None):
                 meta.setdefault("failed_checks", []).append(f"{dtype} {shape}: {exc}")
             free_memory(peers)
             save()
-    for part, fn in [("staircase", lambda: args.staircase and bench_staircase(
+    for part, fn in [("tax sweep", lambda: "tax_sweep" in spec and not args.no_tax_sweep
+                      and bench_tax_sweep(spec["tax_sweep"], spec, peers, args, rows, log)),
+                     ("staircase", lambda: args.staircase and bench_staircase(
             spec["staircase_shapes"], spec, rows, log, max(3, args.reps // 3))),
                      ("cache ops", lambda: bench_cache_ops(rows, log, bw))]:
         try:

@@ -9,10 +9,13 @@
 * :func:`draw_ring_timeline` — a ring of asynchronous copies: loads of the next tiles in
   flight while a tile is computed (step 6), from :func:`ring_schedule`;
 * :func:`draw_fragments` — the ``mma.sync`` C fragment of the scores, which is the B
-  fragment of the next product, lane for lane (step 7).
+  fragment of the next product, lane for lane (step 7);
+* :func:`draw_paging_tax` — time against sequence length, paged against contiguous K/V, from
+  a benchmark run's ``tax_sweep.*`` rows (:func:`paging_tax_points`).
 
 The data behind each picture comes from a function of its own (:func:`row_chunk_lanes`,
-:func:`ring_schedule`, :func:`c_fragment_lanes`, :func:`b_fragment_lanes`), so tests check
+:func:`ring_schedule`, :func:`c_fragment_lanes`, :func:`b_fragment_lanes`,
+:func:`paging_tax_points`), so tests check
 the numbers as well as what is drawn. Every function returns a
 :class:`matplotlib.figure.Figure` built without ``pyplot``, in the palette of
 :mod:`pagedkv.plots.memory`.
@@ -22,12 +25,13 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.ticker import FuncFormatter
 
 from .memory import EDGE_COLOR, FREE_COLOR, PALETTE
 
 __all__ = ["row_chunk_lanes", "draw_row_chunks", "draw_group_sharing", "draw_split_merge",
            "ring_schedule", "draw_ring_timeline", "c_fragment_lanes", "b_fragment_lanes",
-           "draw_fragments"]
+           "draw_fragments", "paging_tax_points", "draw_paging_tax", "TAX_SERIES"]
 
 CHUNK_BYTES = 16
 WARP = 32
@@ -250,6 +254,85 @@ def draw_fragments(group: int = 8, *, title=None) -> Figure:
     left.axvline(8 - 0.02, color="black", lw=1.5)
     _lane_grid(right, b_fragment_lanes()[:, :group], 16, "query head",
                "token of the tile (k)", "Pᵀ, the B fragment of Oᵀ += Vᵀ·Pᵀ")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+#: The sweep's series: (row impl after ``tax_sweep.``, label), paged first.
+TAX_SERIES = (("pagedkv", "ours, pages scattered"),
+              ("pagedkv.identity_table", "ours, pages in order (identity table)"),
+              ("sdpa_contiguous", "SDPA, contiguous K/V (no page table)"),
+              ("flashinfer", "FlashInfer, pages scattered"))
+
+
+def paging_tax_points(run: dict, dtype: str = "float16") -> dict:
+    """From a benchmark run (the JSON of ``python -m pagedkv.bench.kernels``): per head
+    layout ``(q_heads, kv_heads)``, the sweep's lengths and each series' times in µs,
+    ``{"seq_len": [...], impl: [µs or None, ...]}``, lengths ascending."""
+    pts = {}
+    for r in run["rows"]:
+        impl = r["impl"]
+        if not impl.startswith("tax_sweep.") or r["dtype"] != dtype:
+            continue
+        key = (r["q_heads"], r["kv_heads"])
+        pts.setdefault(key, {}).setdefault(int(r["seq_len"]), {})[impl[10:]] = r["us"]
+    if not pts:
+        raise ValueError(f"the run has no tax_sweep rows in {dtype} (run the benchmark "
+                         "with the tax_sweep of bench/decode_shapes.json)")
+    out = {}
+    for key in sorted(pts):
+        lens = sorted(pts[key])
+        out[key] = {"seq_len": lens}
+        for impl, _ in TAX_SERIES:
+            out[key][impl] = [pts[key][n].get(impl) for n in lens]
+    return out
+
+
+def draw_paging_tax(run: dict, dtype: str = "float16", *, goal: float = 0.03,
+                    title=None) -> Figure:
+    """One column per head layout of the sweep. Top: time per decode call against sequence
+    length (log-log), ours on scattered pages, ours on pages in order, SDPA on contiguous
+    K/V, FlashInfer. Bottom: the tax, ours / SDPA − 1, and its scatter part, ours / ours
+    on the identity table − 1, in %, with the goal as a dashed line."""
+    pts = paging_tax_points(run, dtype)
+    fig = Figure(figsize=(5 * len(pts) + 1, 6.5), layout="constrained")
+    axes = fig.subplots(2, len(pts), sharex=True, squeeze=False,
+                        height_ratios=[2, 1])
+    for col, ((qh, kh), p) in enumerate(pts.items()):
+        top, bottom = axes[0, col], axes[1, col]
+        x = p["seq_len"]
+        for i, (impl, label) in enumerate(TAX_SERIES):
+            xs = [n for n, y in zip(x, p[impl]) if y is not None]
+            ys = [y for y in p[impl] if y is not None]
+            if ys:
+                top.plot(xs, ys, "o-" if i < 3 else "s--", color=PALETTE[i], label=label,
+                         lw=1.5, ms=4)
+        ours, ident, sdpa = p["pagedkv"], p["pagedkv.identity_table"], p["sdpa_contiguous"]
+        for name, num, den, color in (("tax: ours / SDPA − 1", ours, sdpa, PALETTE[2]),
+                                      ("scatter: ours / identity − 1", ours, ident,
+                                       PALETTE[1])):
+            xs = [n for n, a, b in zip(x, num, den) if a and b]
+            ys = [100 * (a / b - 1) for a, b in zip(num, den) if a and b]
+            if ys:
+                bottom.plot(xs, ys, "o-", color=color, label=name, lw=1.5, ms=4)
+        bottom.axhline(100 * goal, color="k", ls="--", lw=1, label=f"goal: {goal:.0%}")
+        bottom.axhline(0, color=EDGE_COLOR, lw=0.8)
+        top.set_xscale("log", base=2)
+        top.set_yscale("log")
+        for which in (top.yaxis.set_major_formatter, top.yaxis.set_minor_formatter):
+            which(FuncFormatter(lambda v, _: f"{v:g}"))       # 60, not 6 x 10^1
+        top.set_title(f"{qh}/{kh} heads (group {qh // kh}), {dtype}", fontsize=10)
+        top.set_ylabel("µs per call", fontsize=10)
+        bottom.set_ylabel("% over", fontsize=10)
+        bottom.set_xlabel("sequence length (tokens)", fontsize=10)
+        bottom.set_xticks(x, [f"{n // 1024}K" if n >= 1024 else f"{n}" for n in x],
+                          fontsize=9)
+        bottom.set_xticks([], minor=True)
+        for ax in (top, bottom):
+            ax.tick_params(labelsize=9)
+    axes[0, 0].legend(fontsize=8, frameon=False)
+    axes[1, 0].legend(fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
