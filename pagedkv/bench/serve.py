@@ -34,7 +34,8 @@ from ..checks import cdiv
 from ..model.blas import single_thread_blas
 from ..model.generate import Engine, SamplingParams
 
-__all__ = ["make_requests", "serve_pagedkv", "serve_transformers", "latency", "main"]
+__all__ = ["make_requests", "spike_requests", "spike", "serve_pagedkv",
+           "serve_transformers", "latency", "main"]
 
 PERCENTILES = (50, 90, 99)
 
@@ -55,6 +56,30 @@ def make_requests(n: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0,
     return [(float(a), p, o) for a, p, o in zip(arrivals, prompts, outputs)]
 
 
+def spike_requests(running: int = 64, prompt: int = 4096, *, short: int = 128,
+                   output: int = 512, at: float = 0.5, seed: int = 0) -> list:
+    """``running`` requests that arrive at once and decode ``output`` tokens each, and, at
+    ``at`` seconds, one of ``prompt`` tokens (16 output tokens): how much does its prefill
+    stall the others? The last request is the long one."""
+    rnd = random.Random(seed)
+    reqs = [(0.0, [rnd.randint(0, 10000) for _ in range(short)], output)
+            for _ in range(running)]
+    return reqs + [(at, [rnd.randint(0, 10000) for _ in range(prompt)], 16)]
+
+
+def spike(result: dict) -> dict:
+    """The running requests' inter-token gaps around the long prompt's arrival: the worst,
+    the median, and their ratio (a result of a :func:`spike_requests` run)."""
+    stamps, at = result["stamps"][:-1], result["due"][-1]
+    end = result["stamps"][-1][0] if result["stamps"][-1] else float("inf")
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:]) if at <= b and a <= end + 0.5]
+    every = [b - a for s in stamps for a, b in zip(s, s[1:])]
+    worst, median = max(gaps, default=float("nan")), float(np.median(every))
+    return {"worst_itl_ms": 1e3 * worst, "median_itl_ms": 1e3 * median,
+            "worst_over_median": worst / median, "long_prompt_ttft_ms":
+            1e3 * (end - at)}
+
+
 def latency(values_s) -> dict:
     """Percentiles and the maximum of a list of seconds, in milliseconds."""
     v = np.asarray(values_s, dtype=np.float64) * 1e3
@@ -70,7 +95,8 @@ def _summary(due, stamps, wall: float) -> dict:
     tokens = sum(len(s) for s in stamps)
     return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_ms": latency(ttft), "itl_ms": latency(itl),
-            "completed": sum(1 for s in stamps if s)}
+            "completed": sum(1 for s in stamps if s), "due": list(due),
+            "stamps": [list(s) for s in stamps]}
 
 
 # ---------------------------------------------------------------------- pagedkv
@@ -212,11 +238,15 @@ def _progress(total: int, name: str):
 
 
 def run(args) -> dict:
-    if args.quick:
+    if args.spike:
+        requests = spike_requests(args.requests or 64, args.spike, seed=args.seed)
+        n, lo, hi = len(requests), 128, args.spike
+    elif args.quick:
         n, (lo, hi) = args.requests or 12, args.lengths or (8, 40)
+        requests = make_requests(n, lo, hi, args.seed, args.rate)
     else:
         n, (lo, hi) = args.requests or 256, args.lengths or (100, 1024)
-    requests = make_requests(n, lo, hi, args.seed, args.rate)
+        requests = make_requests(n, lo, hi, args.seed, args.rate)
     single_thread_blas()
     path, model, dtype = _load(args)
     r = {"command": "python -m pagedkv.bench.serve " + " ".join(args.argv),
@@ -224,7 +254,8 @@ def run(args) -> dict:
          "machine": backend.describe(), "python": platform.python_version(),
          "model": "SmolLM2-135M-Instruct", "dtype": dtype,
          "workload": {"requests": n, "lengths": [lo, hi], "seed": args.seed,
-                      "rate": args.rate, "output_tokens": sum(o for *_, o in requests),
+                      "rate": args.rate, "spike": args.spike,
+                      "output_tokens": sum(o for *_, o in requests),
                       "prompt_tokens": sum(len(p) for _, p, _ in requests)}}
     print(f"{n} requests, prompts and outputs of {lo}-{hi} tokens, "
           f"{'all at once' if not args.rate else f'{args.rate} a second'}; "
@@ -233,6 +264,7 @@ def run(args) -> dict:
     r["pagedkv"] = serve_pagedkv(model, requests, args, bar)
     if bar is not None:
         bar.close()
+    _save(r, args)                         # what is measured so far, if the peer fails
     if args.no_peer:
         r["transformers"] = "not run (--no-peer)"
     else:
@@ -248,7 +280,20 @@ def run(args) -> dict:
                 r["transformers"] = f"failed ({type(exc).__name__}: {exc})"
             if bar is not None:
                 bar.close()
+    for key in ("pagedkv", "transformers"):
+        if isinstance(r.get(key), dict) and args.spike:
+            r[key]["spike"] = spike(r[key])
+    if not args.keep_stamps:
+        for key in ("pagedkv", "transformers"):
+            if isinstance(r.get(key), dict):
+                r[key].pop("stamps"), r[key].pop("due")
     return r
+
+
+def _save(r: dict, args) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
 
 
 def table(r: dict) -> str:
@@ -262,6 +307,12 @@ def table(r: dict) -> str:
     for kind in ("ttft_ms", "itl_ms"):
         for q in ("p50", "p90", "p99", "max"):
             row(f"{kind[:-3].upper()} {q} ms", lambda e: e[kind][q], "{:>16.2f}")
+    for k in engines:
+        if "spike" in r[k]:
+            sp = r[k]["spike"]
+            lines.append(f"{k}: while the long prompt is prefilled, the running requests' "
+                         f"worst gap {sp['worst_itl_ms']:.1f} ms, "
+                         f"{sp['worst_over_median']:.1f} x their median")
     p = r["pagedkv"]
     lines.append(f"pagedkv: {p['steps']} steps, peak {p['peak_blocks']} of "
                  f"{p['num_blocks']} blocks, {p['preemptions']} preemptions, "
@@ -292,6 +343,11 @@ def main(argv=None) -> int:
                    help="pool blocks (default: every block the requests could need)")
     p.add_argument("--runner", choices=("plain", "fast", "fast-eager"), default=None,
                    help="default: fast on a GPU, plain on a CPU")
+    p.add_argument("--spike", type=int, default=0, metavar="TOKENS",
+                   help="instead: --requests (default 64) decoding, and one prompt of "
+                        "TOKENS arriving after 0.5 s")
+    p.add_argument("--keep-stamps", action="store_true",
+                   help="keep every token's time in the JSON")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
     p.add_argument("--json", metavar="PATH", help="write every number to PATH")
     p.add_argument("--gguf", metavar="PATH", help="the model file (default: $PAGEDKV_GGUF, "
@@ -310,9 +366,7 @@ def main(argv=None) -> int:
     args.argv = argv
     r = run(args)
     print(table(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
+    _save(r, args)
     return 0
 
 
