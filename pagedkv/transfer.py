@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .checks import is_int
 from .errors import ConfigError, DuplicateSequence, OutOfBlocks, SequenceExists
 from .manager import copies_array
 from .swap import _length, _split
@@ -94,7 +95,7 @@ def plan_transfer(src, dst, seq_ids, contents=None) -> TransferPlan:
         raise DuplicateSequence(f"a sequence appears more than once in {ids!r}")
     tables = [src.block_table(s).tolist() for s in ids]          # (or UnknownSequence)
     contents = _contents(src, ids, contents)
-    if len({isinstance(c, (int, np.integer)) for c in contents}) > 1:
+    if len({is_int(c) for c in contents}) > 1:
         raise ConfigError("transfer: give every sequence's count or every sequence's "
                           "token ids, not both")
     for s in ids:
@@ -229,8 +230,9 @@ class NcclLink:
         self.bytes_received += 0 if inbox is None else inbox.nbytes
 
     def send_array(self, a, peer: int) -> None:
-        """A small array (a plan's block ids, a token), sent as its bytes."""
-        self._p2p(a, peer, send=True)
+        """A small array (a plan's block ids, a token; host or device), sent as its
+        bytes."""
+        self._p2p(_cupy().ascontiguousarray(_cupy().asarray(a)), peer, send=True)
 
     def recv_array(self, shape, dtype, peer: int):
         """What :meth:`send_array` sent: an array of ``shape`` and ``dtype``."""

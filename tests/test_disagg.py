@@ -140,3 +140,24 @@ def test_the_launcher_says_why_it_cannot_run():
     assert out.returncode == 2
     assert "needs two CUDA GPUs with NCCL" in out.stderr
     assert "Nothing was run" in out.stderr
+
+
+@pytest.mark.parametrize("mode", [[], ["--tp"]])
+def test_the_launcher_protocol_runs_on_two_cpu_processes(tmp_path, mode):
+    """``--cpu``: the two ranks' steps (offer, answer, blocks, decode; or the sharded
+    passes with an all-reduce per layer) over a pipe, tokens against one process."""
+    import json
+    path = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "pagedkv.bench.disagg", "--cpu",
+                          "--prompt-len", "40", "--new-tokens", "6", "--num-blocks", "64",
+                          "--json", str(path)] + mode,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "CPU dry run" in out.stdout
+    result = json.loads(path.read_text())
+    key = "tp_tokens_equal_one_gpu" if mode else "disagg_tokens_equal_one_gpu"
+    assert result[key] is True and result["cpu_dry_run"] is True
+    if not mode:
+        rank0 = result["ranks"]["0"]
+        assert rank0["blocks"] == 3 and rank0["transfer_bytes"] == 3 * 16 * 2 * 4 * 4 * 64 * 4

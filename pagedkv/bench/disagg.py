@@ -1,6 +1,8 @@
-"""Two GPUs: ``python -m pagedkv.bench.disagg [--tiny] [--tp] [--json PATH]``.
+"""Two GPUs: ``python -m pagedkv.bench.disagg [--tiny] [--tp] [--cpu] [--json PATH]``.
 
 Needs two CUDA devices and CuPy with NCCL; with fewer it says so and exits with status 2.
+``--cpu`` is a dry run of the same protocol on a CPU (two processes, a pipe where NCCL
+would be, the tiny model): it checks the steps and the tokens, and measures nothing.
 It starts one process per GPU (rank 0 on GPU 0, rank 1 on GPU 1), with
 ``NCCL_NVLS_ENABLE=0`` in their environment, and runs greedy generation of one prompt of
 ``--prompt-len`` random tokens on SmolLM2-135M-Instruct (float16; ``--tiny``: a small
@@ -63,6 +65,11 @@ def _model(args):
     return Llama(ckpt.config, ckpt.weights), "SmolLM2-135M-Instruct"
 
 
+def _host(a) -> np.ndarray:
+    from .. import backend
+    return backend.to_numpy(a)
+
+
 def _clock() -> float:
     from .. import backend
     backend.synchronize()
@@ -102,8 +109,6 @@ def _device_copy(kv, blocks) -> float:
 
 def _prefill_rank(link, model, prompt, args) -> dict:
     """Rank 0: prefill, offer the sequence, send its blocks, free them."""
-    import cupy as cp
-
     from ..model.disagg import prefill
     from ..model.llama import PagedKV, forward
     from ..transfer import pool_blocks
@@ -113,8 +118,8 @@ def _prefill_rank(link, model, prompt, args) -> dict:
         t0 = _clock()
         first = prefill(lambda batch: forward(model, kv, batch), kv.manager, [prompt])[0]
         t1 = _clock()
-        link.send_array(cp.asarray([len(prompt), first], dtype=np.int64), peer=1)
-        if int(link.recv_array((1,), np.int64, peer=1)[0]) != 1:
+        link.send_array(np.array([len(prompt), first], dtype=np.int64), peer=1)
+        if _host(link.recv_array((1,), np.int64, peer=1)).tolist() != [1]:
             raise SystemExit("rank 1 has no room for the prompt's blocks")
         blocks = kv.manager.block_table(0)
         t2 = _clock()
@@ -131,8 +136,6 @@ def _prefill_rank(link, model, prompt, args) -> dict:
 
 def _decode_rank(link, model, args) -> dict:
     """Rank 1: take the sequence into fresh blocks of its own pool, receive, decode."""
-    import cupy as cp
-
     from ..errors import OutOfBlocks
     from ..model.disagg import decode
     from ..model.llama import PagedKV, forward
@@ -140,13 +143,13 @@ def _decode_rank(link, model, args) -> dict:
     result = {}
     for rep in range(2):
         kv = PagedKV.for_model(model, args.num_blocks, args.block_size)
-        length, first = (int(v) for v in link.recv_array((2,), np.int64, peer=0).get())
+        length, first = _host(link.recv_array((2,), np.int64, peer=0)).tolist()
         try:
             kv.manager.add(0, length)          # the plan's receiving half: fresh blocks
             ok = 1
         except OutOfBlocks:
             ok = 0
-        link.send_array(cp.asarray([ok], dtype=np.int64), peer=0)
+        link.send_array(np.array([ok], dtype=np.int64), peer=0)
         if not ok:
             return dict(refused=True)
         link.recv_blocks(pool_blocks(kv), kv.manager.block_table(0), peer=0)
@@ -183,10 +186,58 @@ def _tp_rank(link, model, prompt, args) -> dict:
                 tokens=tokens[0])
 
 
+class PipeLink:
+    """:class:`~pagedkv.transfer.NcclLink`'s calls over a pipe between two CPU processes,
+    on NumPy arrays: the launcher's protocol with ``--cpu``, where no GPU is needed (and
+    nothing it measures is a GPU number). Rank 0 sends first in an all-reduce, so two
+    large sends never wait on each other."""
+
+    def __init__(self, rank: int, conn):
+        self.rank, self.conn = rank, conn
+
+    def send_array(self, a, peer: int) -> None:
+        self.conn.send(np.asarray(a))
+
+    def recv_array(self, shape, dtype, peer: int):
+        return self.conn.recv()
+
+    def send_blocks(self, blocks, ids, peer: int) -> None:
+        self.conn.send(blocks[:, np.asarray(ids)])
+
+    def recv_blocks(self, blocks, ids, peer: int) -> None:
+        blocks[:, np.asarray(ids)] = self.conn.recv()
+
+    def all_reduce(self, a) -> None:
+        if self.rank == 0:
+            self.conn.send(a)
+            a += self.conn.recv()
+        else:
+            other = self.conn.recv()
+            self.conn.send(a)
+            a += other
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def _worker(rank: int, uid, args, queue) -> None:
-    os.environ.update(nccl_env())
-    from ..transfer import NcclLink
-    link = NcclLink(rank, 2, uid)              # (this process's GPU is device `rank`)
+    try:
+        _work(rank, uid, args, queue)
+    except BaseException:                      # the parent reports it and stops the other
+        import traceback
+        queue.put((rank, dict(error=traceback.format_exc())))
+        raise
+
+
+def _work(rank: int, uid, args, queue) -> None:
+    if args.cpu:
+        from ..model.blas import single_thread_blas
+        single_thread_blas()
+        link = PipeLink(rank, uid)             # (uid: this rank's end of the pipe)
+    else:
+        os.environ.update(nccl_env())
+        from ..transfer import NcclLink
+        link = NcclLink(rank, 2, uid)          # (this process's GPU is device `rank`)
     try:
         model, name = _model(args)
         rng = np.random.default_rng(0)
@@ -217,20 +268,36 @@ def run(args) -> dict:
     import multiprocessing as mp
 
     os.environ.update(nccl_env())              # before NCCL starts, here and in children
-    from ..transfer import NcclLink
-    uid = NcclLink.unique_id()
     ctx = mp.get_context("spawn")
+    if args.cpu:
+        os.environ["PAGEDKV_BACKEND"] = "numpy"
+        ids = list(ctx.Pipe())
+    else:
+        from ..transfer import NcclLink
+        ids = [NcclLink.unique_id()] * 2
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, uid, args, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, ids[r], args, queue))
+             for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=args.timeout) for _ in procs)
-    for p in procs:
-        p.join()
+    results = {}
+    try:
+        while len(results) < len(procs):
+            rank, out = queue.get(timeout=args.timeout)
+            if "error" in out:
+                raise SystemExit(f"rank {rank} failed:\n{out['error']}")
+            results[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():                   # (its peer failed: NCCL waits forever)
+                p.terminate()
     r0, r1 = results[0], results[1]
-    out = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               model=r0["model"], prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-               block_size=args.block_size, topology=_topology(), ranks=results)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    out = dict(date=now, cpu_dry_run=args.cpu, model=r0["model"],
+               prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+               block_size=args.block_size,
+               topology="(CPU dry run)" if args.cpu else _topology(), ranks=results)
     if args.tp:
         out["tp_tokens_equal_one_gpu"] = r0["tp"]["tokens"] == r0["one_gpu"]["tokens"] \
             == r1["tp"]["tokens"]
@@ -241,25 +308,31 @@ def run(args) -> dict:
 
 def _print(out: dict) -> None:
     r0, r1 = out["ranks"][0], out["ranks"][1]
+    dry = out["cpu_dry_run"]
+    link, alone, both = (("a pipe", "one process", "2 processes") if dry else
+                         ("NCCL", "one GPU", "2 GPUs"))
+    if dry:
+        print("CPU dry run: two processes and a pipe instead of two GPUs and NCCL;")
+        print("no timing below is a GPU number")
     print(f"{out['model']}, prompt {out['prompt_len']} tokens, {out['new_tokens']} new, "
           f"{out['date']}")
     one = r0["one_gpu"]
     if "tp" in r0:
         tp = r0["tp"]
         print(f"{'':24}{'TTFT ms':>10}{'decode tok/s':>14}")
-        print(f"{'one GPU':24}{one['ttft_s'] * 1e3:10.2f}{one['decode_tokens_per_s']:14.1f}")
-        print(f"{'tensor parallel, 2 GPUs':24}{tp['ttft_s'] * 1e3:10.2f}"
+        print(f"{alone:24}{one['ttft_s'] * 1e3:10.2f}{one['decode_tokens_per_s']:14.1f}")
+        print(f"{'tensor parallel, ' + both:24}{tp['ttft_s'] * 1e3:10.2f}"
               f"{tp['decode_tokens_per_s']:14.1f}")
-        print("tokens equal one GPU's:", out["tp_tokens_equal_one_gpu"])
+        print(f"tokens equal {alone}'s:", out["tp_tokens_equal_one_gpu"])
         return
     print(f"transfer: {r0['blocks']} blocks, {r0['transfer_bytes'] / 1e6:.2f} MB, "
-          f"{r0['transfer_gb_per_s']:.1f} GB/s over NCCL; same-GPU copy "
+          f"{r0['transfer_gb_per_s']:.1f} GB/s over {link}; same-device copy "
           f"{r0['same_gpu_copy_gb_per_s']:.1f} GB/s")
     print(f"{'':24}{'TTFT ms':>10}{'decode tok/s':>14}")
-    print(f"{'one GPU':24}{one['ttft_s'] * 1e3:10.2f}{one['decode_tokens_per_s']:14.1f}")
+    print(f"{alone:24}{one['ttft_s'] * 1e3:10.2f}{one['decode_tokens_per_s']:14.1f}")
     print(f"{'prefill 0, decode 1':24}{r0['ttft_s'] * 1e3:10.2f}"
           f"{r1['decode_tokens_per_s']:14.1f}")
-    print("tokens equal one GPU's:", out["disagg_tokens_equal_one_gpu"])
+    print(f"tokens equal {alone}'s:", out["disagg_tokens_equal_one_gpu"])
 
 
 def main(argv=None) -> int:
@@ -267,6 +340,8 @@ def main(argv=None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a small random Llama")
     p.add_argument("--tp", action="store_true", help="tensor parallelism (implies --tiny)")
+    p.add_argument("--cpu", action="store_true",
+                   help="a dry run of the protocol on the CPU (implies --tiny)")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
@@ -274,7 +349,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    n, why = gpus_or_why()
+    args.tiny = args.tiny or args.cpu
+    n, why = (2, "") if args.cpu else gpus_or_why()
     if n < 2 or why:
         print(f"pagedkv.bench.disagg needs two CUDA GPUs with NCCL: {why}. Nothing was "
               f"run.", file=sys.stderr)
