@@ -14,8 +14,10 @@ in pagedkv:
 * :class:`NcclLink` moves them between two processes, one per GPU, over NCCL (CuPy's
   ``cupy.cuda.nccl``): the sender packs its blocks with one gather, one ``send`` carries
   them all, the receiver scatters them with one scatter. Importing this module does not
-  import CuPy; NCCL's NVLink multicast is switched off (``NCCL_NVLS_ENABLE=0``) before
-  NCCL starts, in this process and in the environment of every process started for it.
+  need CuPy (NCCL is imported when a link is made); NCCL's NVLink multicast is switched
+  off (``NCCL_NVLS_ENABLE=0``) before NCCL starts, in this process and in the
+  environment of every process started for it (:func:`nccl_env`). Not yet run on two
+  GPUs.
 
 Sharing. A block that two transferred sequences share on the source (a fork) is sent
 once per sequence: a plain manager on the receiving side cannot map one block into two
