@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every test: the package's pytest tests, the exercises' solutions and nbval over every
-# notebook in book/ (one pytest run), then the book build (if a source changed since the
+# notebook in book/ (one pytest run), then the serving benchmark's --quick run, the book build (if a source changed since the
 # last one), the browser test of each built page, and every notebook run in JupyterLab in
 # the same browser. All steps run even if one fails; the exit code is non-zero if any did.
 set -uo pipefail
@@ -25,6 +25,8 @@ step() {  # step NAME COMMAND...: run, time and record one step
 step "package tests + nbval" python -m pytest tests/ book/ \
     --ignore=tests/test_book_browser.py --ignore=tests/test_jupyterlab.py \
     --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+# the serving benchmark at CPU size: its numbers are printed for the log, not asserted
+step "serving benchmark (--quick)" python -m pagedkv.bench.serve --quick --no-peer
 if step "book build" bash scripts/build_book.sh --if-stale; then
     step "browser test" python -m pytest tests/test_book_browser.py
 else
