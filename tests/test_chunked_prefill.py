@@ -140,3 +140,21 @@ def test_a_long_prompt_does_not_stop_the_decodes(tiny):
     assert big >= 300 and small <= 64
     assert gains.shape[1] >= 300 // 64 and (gains == 1).all()
     assert answers == answers64 and late_all == late64
+
+
+@pytest.mark.parametrize("budget", [None, 13])
+@pytest.mark.parametrize("config", ["cache", "swap"])
+@pytest.mark.parametrize("kind", ["greedy", "beam3", "n3"])
+def test_the_fast_runner_prefills_through_its_decode_pass(tiny, expected, kind, config,
+                                                          budget):
+    """The fast runner's prefill (a row per new token through the decode kernels) gives the
+    oracle's answers too, chunked or not, with cache hits and swaps (its NumPy path)."""
+    caching, preemption, host_blocks, pool = CONFIGS[config]
+    params, prompts = PARAMS[kind], _prompts()
+    worst = max(params.width * -(-(len(p) + params.max_new_tokens) // BS) for p in prompts)
+    blocks = worst + 2 if pool == "tight" else 300
+    engine = Engine(tiny, num_blocks=blocks, block_size=BS, stop_ids=STOP, audit=True,
+                    prefix_caching=caching, preemption=preemption, max_seqs=16,
+                    host_blocks=host_blocks, token_budget=budget, runner="fast-eager")
+    reqs = engine.generate(prompts, params)
+    assert [[s.generated for s in r.outputs()] for r in reqs] == expected[kind]

@@ -12,9 +12,10 @@ part that touches the model's arrays and the paged K/V. Two runners, one interfa
   cuBLAS (:mod:`pagedkv.kernels.gemm`), the residual adds folded into the multiplies, every
   array allocated once at the largest batch, the step's small inputs uploaded in one copy, the
   greedy choice made on the device, and — on a GPU — each batch size (padded up to a *bucket*:
-  1, 2, 4, 8, 16, 24, ...) captured once as a CUDA graph and replayed. Prefill and
-  copy-on-write copies stay on the plain path. On NumPy it runs the kernels' references, with
-  the same buffers and order, so the CPU tests exercise the same code.
+  1, 2, 4, 8, 16, 24, ...) captured once as a CUDA graph and replayed. A prefill goes through
+  the same pass, a row for every new token (:meth:`FastRunner.prefill`); copy-on-write copies
+  stay on the plain path. On NumPy it runs the kernels' references, with the same buffers and
+  order, so the CPU tests exercise the same code.
 
 Both return, for a batch, float32 logits of each sequence's last token (on the device) and,
 where they have it, the greedy token of each row as host ints (``None`` otherwise).
@@ -85,7 +86,7 @@ class _Views(NamedTuple):
 
 class FastRunner(ModelRunner):
     """Decode steps through fused kernels, static buffers and (on a GPU) one CUDA graph per
-    bucket; prefill on the plain path.
+    bucket; prefills through the same pass, a row per new token.
 
     ``max_batch`` sequences decode at most at once; a page table holds ``max_context`` tokens
     (default: the model's context). ``graphs`` (default: on a GPU) replays captured graphs;
@@ -210,6 +211,30 @@ class FastRunner(ModelRunner):
                                    scale=self.model.scale)
 
     # ------------------------------------------------------------------ the interface
+    def prefill(self, batch: Batch):
+        """A prefill through the decode pass: every new token is a row of its own, at its
+        position, with its sequence's page table and a length of position + 1. The decode
+        kernel's attention over a row's first position + 1 tokens is then exactly causal
+        attention. Rows go ``max_batch`` at a time (on a GPU through the graph of their
+        bucket), each slice writing its K/V before the next reads them. Returns the logits
+        of each sequence's last new token; no greedy tokens."""
+        xp, n = self.model.xp, len(batch.tokens)
+        rows = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
+        last = np.cumsum(batch.query_lens) - 1                  # each sequence's last token
+        tables, positions = batch.block_tables[rows], batch.positions
+        self.kv.copy(batch.copies)
+        out, none = [], np.zeros((0, 2), np.int32)
+        for a in range(0, n, self.max_batch):
+            cut = slice(a, a + self.max_batch)
+            logits, _ = self.decode(Batch(
+                tokens=batch.tokens[cut], positions=positions[cut], slots=batch.slots[cut],
+                query_lens=np.ones(len(positions[cut]), np.int32),
+                seq_lens=(positions[cut] + 1).astype(np.int32), block_tables=tables[cut],
+                copies=none))
+            mine = last[(last >= a) & (last < a + self.max_batch)] - a
+            out.append(logits[xp.asarray(mine)])              # (a copy: fancy indexing)
+        return xp.concatenate(out), None
+
     def decode(self, batch: Batch):
         """One decode step: copy-on-write copies, then the pass (replayed from its graph on a
         GPU); one upload of the inputs, one download of the greedy tokens."""
