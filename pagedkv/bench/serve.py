@@ -31,10 +31,11 @@ import numpy as np
 
 from .. import backend
 from ..checks import cdiv
+from ..errors import ConfigError
 from ..model.blas import single_thread_blas
 from ..model.generate import Engine, SamplingParams
 
-__all__ = ["make_requests", "spike_requests", "spike", "serve_pagedkv",
+__all__ = ["make_requests", "spike_requests", "spike", "options", "serve_pagedkv",
            "serve_transformers", "latency", "main"]
 
 PERCENTILES = (50, 90, 99)
@@ -140,11 +141,30 @@ def _time_parts(engine: Engine) -> dict:
     return spent
 
 
-def serve_pagedkv(model, requests, args, progress=None) -> dict:
-    """Serve ``requests`` on our engine; returns the measurements."""
+def options(**given) -> argparse.Namespace:
+    """The engine's options as the command line gives them (its defaults, updated by
+    ``given``: ``token_budget``, ``max_seqs``, ``blocks``, ``runner``)."""
+    o = argparse.Namespace(token_budget=2048, max_seqs=256, blocks=0, runner=None)
+    for key, value in given.items():
+        if not hasattr(o, key):
+            raise ConfigError(f"unknown option {key!r}; choose from {sorted(vars(o))}")
+        setattr(o, key, value)
+    return o
+
+
+def serve_pagedkv(model, requests, args, progress=None, on_step=None,
+                  clock: str = "seconds") -> dict:
+    """Serve ``requests`` on our engine with ``args`` (:func:`options`); returns the
+    measurements, with every token's time (``stamps``, seconds from the start) and every
+    request's due time (``due``). ``on_step(engine)`` is called after every step. With
+    ``clock="steps"`` an arrival is a step number instead of seconds (the same run on any
+    machine; a request's due time is then when that step began)."""
+    if clock not in ("seconds", "steps"):
+        raise ConfigError(f"clock must be 'seconds' or 'steps', got {clock!r}")
     engine = _engine(model, requests, args)
     _warm_up(engine, model.config.vocab_size)
     engine.counts.preemptions = 0
+    engine.on_step = on_step
     spent = _time_parts(engine)
     order = sorted(range(len(requests)), key=lambda i: requests[i][0])
     pending, live = deque(order), {}
@@ -154,13 +174,17 @@ def serve_pagedkv(model, requests, args, progress=None) -> dict:
     t0 = time.perf_counter()
     while pending or live:
         now = time.perf_counter() - t0
-        while pending and requests[pending[0]][0] <= now:
+        tick = steps if clock == "steps" else now
+        while pending and requests[pending[0]][0] <= tick:
             i = pending.popleft()
             arrival, prompt, out = requests[i]
-            due[i] = arrival
+            due[i] = now if clock == "steps" else arrival
             live[i] = engine.submit(prompt, SamplingParams(max_new_tokens=out))
         if not (engine.waiting or engine.running or engine.swapped):
-            time.sleep(max(0.0, requests[pending[0]][0] - now))
+            if clock == "steps":
+                steps = int(requests[pending[0]][0])
+            else:
+                time.sleep(max(0.0, requests[pending[0]][0] - now))
             continue
         engine.step()
         steps += 1
