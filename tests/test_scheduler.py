@@ -161,7 +161,6 @@ def test_random_requests_finish_with_their_tokens(budget, chunked):
     while pending or s:
         while pending and rng.random() < 0.5:
             s.waiting.append(pending.pop(0))
-        computed = sum(mem.to_prefill(r) for r in s.running)
         chunks = s.prefill()
         charged = {c.req.rid for c in chunks}
         assert len(charged) == len(chunks), "a request charged twice in one step"
@@ -180,7 +179,6 @@ def test_random_requests_finish_with_their_tokens(budget, chunked):
             assert mem.held[r.rid] == cdiv(r.placed, 4)
         steps += 1
         assert steps < 10_000
-        del computed
     assert sorted(r.rid for r in done) == list(range(60))
     assert all(r.generated == r.output for r in done) and mem.free == 40
 

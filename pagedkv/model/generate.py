@@ -41,7 +41,7 @@ from ..prefix_cache import PrefixCachingManager
 from .llama import Batch, Llama, PagedKV
 from ..scheduler import Scheduler
 from .runner import FastRunner, ModelRunner
-from .scheduling import Counts, Scheduling, _cached_target
+from .scheduling import Counts, Scheduling
 
 __all__ = ["SamplingParams", "Sequence", "Request", "Engine", "sample", "log_softmax_topk",
            "beam_select", "best_beams"]
@@ -194,6 +194,12 @@ class Engine(Scheduling):
     ``max_context`` tokens (default: the model's context); ``"fast-eager"`` the same kernels
     without graphs. ``bookkeeping`` is ``"teaching"`` (the core the chapters show) or
     ``"fast"`` (:mod:`pagedkv.fast`: the same plans, batched in NumPy).
+
+    Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s (``self.scheduler``). With
+    ``token_budget`` a step computes at most that many tokens, decodes first; with
+    ``chunked_prefill`` (the default) a prompt that does not fit what is left is prefilled a
+    chunk a step. Without a budget every admitted prompt is prefilled in the step that admits
+    it, in passes that pack whole prompts up to about ``prefill_chunk`` tokens.
 
     ``history`` holds what the pool held after each of the last ``history_steps`` steps,
     read from counters (O(batch) a step, never a pass over the pool); ``on_step`` sees
