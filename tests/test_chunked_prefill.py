@@ -158,3 +158,26 @@ def test_the_fast_runner_prefills_through_its_decode_pass(tiny, expected, kind, 
                     host_blocks=host_blocks, token_budget=budget, runner="fast-eager")
     reqs = engine.generate(prompts, params)
     assert [[s.generated for s in r.outputs()] for r in reqs] == expected[kind]
+
+
+def test_cancelling_a_request_in_the_middle_of_its_prefill(tiny):
+    """A long prompt prefilled a chunk a step is cancelled half way: its blocks come back,
+    the scheduler forgets it, and the others' answers do not change."""
+    rng = np.random.default_rng(SEED)
+    short = [rng.integers(1, TINY.vocab_size, 6).tolist() for _ in range(2)]
+    long = rng.integers(1, TINY.vocab_size, 200).tolist()
+    params = SamplingParams(max_new_tokens=12)
+    alone = Engine(tiny, num_blocks=200, block_size=BS, stop_ids=())
+    expect = [r.outputs()[0].generated for r in alone.generate(short, params)]
+    e = Engine(tiny, num_blocks=200, block_size=BS, stop_ids=(), audit=True, token_budget=32)
+    first = [e.submit(p, params) for p in short]
+    e.step()
+    late = e.submit(long, params)
+    e.step()
+    e.step()
+    assert late in e.scheduler.prefilling and 0 < e.manager.num_tokens(late.live[0].seq_id)
+    assert e.cancel(late) is True
+    assert late not in e.scheduler.prefilling and late not in e.running
+    e.run()
+    assert [r.outputs()[0].generated for r in first] == expect
+    assert e.manager.allocator.num_free == 200

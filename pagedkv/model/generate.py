@@ -509,6 +509,7 @@ class Engine(Scheduling):
                 raise ConfigError(f"request {req.request_id} is running without the "
                                   f"blocks of all its sequences")
         queue.remove(req)
+        self.scheduler.prefilling.pop(req, None)   # (if its prefill was under way)
         if queue is self.swapped:
             for i, blocks in zip(ids, parked):
                 del self.swapper.swapped[i]
