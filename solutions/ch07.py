@@ -2,12 +2,14 @@
 sampling holds, without running the manager."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
 
 from pagedkv import sim
 from pagedkv.allocator import BlockAllocator
+from pagedkv.beams import follow
 from pagedkv.checks import cdiv
 from pagedkv.manager import KVCacheManager
 
@@ -60,20 +62,16 @@ def _run_schedule(prompt, block_size, schedule):
     fork repeated parents, free the pruned, step every beam. Returns the copies planned."""
     m = KVCacheManager(BlockAllocator(512, block_size * 4, xp=np), block_size)
     m.add(0, prompt)
-    beams, next_id, copies = [0], 1, 0
+    ids = itertools.count(1)
+
+    def fork(parent, j):
+        child = next(ids)
+        m.fork(parent, child)
+        return child
+
+    beams, copies = [0], 0
     for parents in schedule:
-        new = []
-        for i in parents:
-            if beams[i] in new:
-                m.fork(beams[i], next_id)
-                new.append(next_id)
-                next_id += 1
-            else:
-                new.append(beams[i])
-        for b in beams:
-            if b not in new:
-                m.free(b)
-        beams = new
+        beams = follow(beams, parents, fork, m.free)
         copies += len(m.step(beams).copies)
     m.audit()
     return copies

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import backend
+from ..beams import follow
 from ..checks import cdiv, is_int, positive_int, token_ids
 from ..errors import AuditError, ConfigError
 from ..prefix_cache import PrefixCachingManager
@@ -435,25 +436,19 @@ class Engine(Scheduling):
         for b, t, score in ended:                      # finished: no cache needed
             req.finished.append(self._new_seq(beams[b].tokens + [t], beams[b].prompt_len,
                                               score, parent=beams[b].seq_id))
-        chosen = {b for b, _, _ in continuing}
-        for i, beam in enumerate(beams):               # beams nobody continues: free them
-            if i not in chosen:
-                self.manager.free(beam.seq_id)
-        new_live, taken = [], set()
-        for b, t, score in continuing:
-            parent = beams[b]
-            if b in taken:                             # a second child: fork, share the blocks
-                # (the parent has appended its own new token already: leave that one out)
-                child = self._new_seq(parent.tokens[:-1] + [t], parent.prompt_len, score,
-                                      parent=parent.seq_id)
-                self.manager.fork(parent.seq_id, child.seq_id)
-            else:                                      # the first child continues the beam
-                taken.add(b)
-                child = parent
-                child.tokens.append(t)
-                child.score = score
-            new_live.append(child)
-        req.live = new_live
+        def fork(parent, j):                           # a second child: share the blocks
+            _, t, score = continuing[j]
+            child = self._new_seq(parent.tokens + [t], parent.prompt_len, score,
+                                  parent=parent.seq_id)
+            self.manager.fork(parent.seq_id, child.seq_id)
+            return child
+
+        req.live = follow(beams, [b for b, _, _ in continuing], fork,
+                          lambda beam: self.manager.free(beam.seq_id))
+        for beam, (b, t, score) in zip(req.live, continuing):
+            if beam is beams[b]:                       # the first child continues the beam
+                beam.tokens.append(t)
+                beam.score = score
         full = req.live and len(req.live[0].generated) >= req.params.max_new_tokens
         if len(req.finished) >= k or full or not req.live:
             for seq in list(req.live):

@@ -6,8 +6,11 @@ written and, when the beam is freed, read back through its own page table and ch
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
+from ..beams import follow
 from ..checks import cdiv, positive_int
 from ..errors import AuditError, ConfigError
 from .kvdata import SIM_SPEC, CheckedKV
@@ -39,24 +42,20 @@ def beam_search(kv: CheckedKV, first_id: int, prompt: int, output: int, width: i
     is called after every step (to record pictures)."""
     positive_int(width, "beam width"), positive_int(prompt, "prompt")
     positive_int(output, "output")
-    next_id = first_id + 1
+    ids = itertools.count(first_id + 1)
+
+    def fork(parent, j):                # a second child of a beam: a new sequence
+        child = next(ids)
+        kv.fork(parent, child)
+        return child
+
     kv.add(first_id, prompt)
     beams, scores = [first_id], np.zeros(1)
     used_sum = unshared_sum = 0
     for _ in range(output):
         parents, scores = beam_children(rng, scores, width, alpha, vocab)
-        new = []
-        for i in parents.tolist():      # a beam's first child continues it; others fork
-            if beams[i] in new:
-                kv.fork(beams[i], next_id)
-                new.append(next_id)
-                next_id += 1
-            else:
-                new.append(beams[i])
-        for b in beams:
-            if b not in new:
-                kv.free(b)              # pruned: verified; its blocks lose an owner
-        beams = new
+        # a beam's first child continues it, others fork; the pruned are freed (verified)
+        beams = follow(beams, parents.tolist(), fork, kv.free)
         kv.step(beams)
         used, unshared = kv.used_and_unshared()
         used_sum, unshared_sum = used_sum + used, unshared_sum + unshared
