@@ -253,3 +253,11 @@ class Scheduler:
         release)."""
         self.running.remove(req)
         self.prefilling.pop(req, None)
+
+    def drop(self, req) -> None:
+        """Take ``req`` out of whichever queue holds it (a cancelled request; its memory
+        is the caller's to release)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if any(r is req for r in queue):
+                queue.remove(req)
+        self.prefilling.pop(req, None)

@@ -503,8 +503,7 @@ class Engine(Scheduling):
             if queue is self.running and len(held) != len(ids):
                 raise ConfigError(f"request {req.request_id} is running without the "
                                   f"blocks of all its sequences")
-        queue.remove(req)
-        self.scheduler.prefilling.pop(req, None)   # (if its prefill was under way)
+        self.scheduler.drop(req)
         if queue is self.swapped:
             for i, blocks in zip(ids, parked):
                 del self.swapper.swapped[i]
