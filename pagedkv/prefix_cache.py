@@ -323,12 +323,14 @@ class PrefixCachingManager(PagesLookups):
             serials.append(hit[1])
         return blocks, serials
 
-    def _blocks_to_add(self, tokens: list, hits: list) -> int:
-        """Free blocks admitting ``tokens`` takes: fresh blocks for what the cache
-        lacks, and one for each hit on an idle block (idle blocks count as free until
-        taken)."""
-        fresh = cdiv(len(tokens), self.block_size) - len(hits)
-        return fresh + sum(map(self.cache.is_idle, hits))
+    def _blocks_to_add(self, prompts: list, hits: list) -> int:
+        """Free blocks admitting ``prompts`` together takes (``hits[i]``: the cached
+        blocks prompt ``i`` finds): fresh blocks for what the cache lacks, and one for
+        each idle block found (idle blocks count as free until taken; one found by two
+        prompts is taken once)."""
+        fresh = sum(cdiv(len(p.tokens), self.block_size) - len(h)
+                    for p, h in zip(prompts, hits))
+        return fresh + len({b for h in hits for b in h if self.cache.is_idle(b)})
 
     def cached_prefix(self, tokens) -> int:
         """How many leading tokens of a new sequence ``tokens`` (ids or a
@@ -336,26 +338,47 @@ class PrefixCachingManager(PagesLookups):
         ``len(tokens)``). Changes nothing."""
         return len(self._find_prefix(self.prompt(tokens))[0]) * self.block_size
 
-    def blocks_to_add(self, tokens) -> int:
-        """Free blocks ``add(seq, tokens)`` would take now. Changes nothing."""
-        prompt = self.prompt(tokens)
-        return self._blocks_to_add(prompt.tokens, self._find_prefix(prompt)[0])
+    def blocks_to_add(self, *prompts) -> int:
+        """Free blocks ``add(seq, tokens)`` would take now, or ``add_all`` for several
+        prompts. Changes nothing."""
+        prompts = [self.prompt(p) for p in prompts]
+        return self._blocks_to_add(prompts, [self._find_prefix(p)[0] for p in prompts])
 
     def add(self, seq_id, tokens) -> PrefillPlan:
         """Admit a prompt (token ids, or a :class:`Prompt`): its leading full blocks
         from the cache where they are there, fresh blocks for the rest. All or nothing,
         as :meth:`KVCacheManager.add`."""
-        self.pages._check_new(seq_id, "sequence")
-        prompt = self.prompt(not_a_count(tokens, "add"))
-        if not prompt.tokens:
-            raise ConfigError("add needs at least one token (the last one's logits "
-                              "choose the next)")
-        hits, serials = self._find_prefix(prompt)
-        need = self._blocks_to_add(prompt.tokens, hits)
+        return self.add_all([(seq_id, tokens)])[0]
+
+    def add_all(self, seqs) -> list[PrefillPlan]:
+        """Admit several sequences at once, ``(seq_id, tokens)`` each (a request's
+        samples, back after a preemption): every one's cached blocks are taken before
+        any fresh block is, so that a fresh block for one never evicts an idle block
+        another one finds. All or nothing."""
+        checked = []
+        for seq_id, tokens in seqs:
+            self.pages._check_new(seq_id, "sequence")
+            if any(seq_id == other for other, _ in checked):
+                raise ConfigError(f"add_all: sequence {seq_id!r} is given twice")
+            prompt = self.prompt(not_a_count(tokens, "add"))
+            if not prompt.tokens:
+                raise ConfigError("add needs at least one token (the last one's logits "
+                                  "choose the next)")
+            checked.append((seq_id, prompt))
+        seqs, found = checked, [self._find_prefix(prompt) for _, prompt in checked]
+        need = self._blocks_to_add([p for _, p in seqs], [hits for hits, _ in found])
         if need > self.cache.num_free:
-            raise OutOfBlocks(need, self.cache.num_free, f"add {seq_id!r}")
-        for b in hits:
-            self.cache.take(b)
+            names = ", ".join(repr(s) for s, _ in seqs)
+            raise OutOfBlocks(need, self.cache.num_free, f"add {names}")
+        for hits, _ in found:                      # every hit first: none is evicted
+            for b in hits:
+                self.cache.take(b)
+        return [self._place(seq_id, prompt, hits, serials)
+                for (seq_id, prompt), (hits, serials) in zip(seqs, found)]
+
+    def _place(self, seq_id, prompt: Prompt, hits: list, serials: list) -> PrefillPlan:
+        """A new page table: the cached blocks ``hits`` (taken already), then fresh
+        blocks for the rest of the prompt, named as they fill."""
         found = len(hits) * self.block_size
         table = self.pages._tables[seq_id] = PageTable(self.block_size, hits, found)
         self._tail[seq_id] = prompt.tokens[found:]

@@ -202,3 +202,35 @@ def test_real_model_same_answers_with_cache_and_preemption(smollm2):
         c = engine.counts
         assert (c.cached_tokens >= 3 * 16) == name.startswith("cache"), name
         assert (c.preemptions > 0) == (kw["num_blocks"] == 6), name
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("budget", [None, 40])
+def test_many_samples_come_back_with_the_prefix_cache(tiny, preemption, budget):
+    """A soak of what a server sees from ``n``-sample requests with the prefix cache: the
+    pool fits one of them at a time, so they preempt one another, and a request that
+    comes back brings eight sequences whose full blocks are partly cached and partly
+    evicted. Every answer is the oracle's, the audit passes after every step, and the
+    pool is whole at the end. (Before each sequence's hits were taken before any fresh
+    block, one sample's fresh blocks evicted another's cached ones and the step stopped:
+    "prefill ended without logits".)"""
+    seed = 271828
+    print(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    prompts = _prompts(seed, tails=tuple(rng.integers(2, 12, 4).tolist()))
+    params = [SamplingParams(max_new_tokens=30, temperature=1.0, n=8, seed=seed + i)
+              for i in range(len(prompts))]
+    worst = max(8 * -(-(len(p) + 30) // BS) for p in prompts)
+    engine = Engine(tiny, num_blocks=worst + 4, block_size=BS, stop_ids=STOP, audit=True,
+                    prefix_caching=True, preemption=preemption, token_budget=budget,
+                    host_blocks=64 if preemption == "swap" else 0, max_seqs=32)
+    reqs = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    engine.run()
+    assert engine.counts.preemptions > 0 and engine.manager.cache.evictions > 0
+    if preemption == "recompute":
+        assert engine.counts.refound_tokens > 0       # some of them found their blocks
+    for req, p, q in zip(reqs, prompts, params):
+        expect = [s.generated for s in reference_generate(tiny, p, q, STOP)]
+        assert sorted(s.generated for s in req.outputs()) == sorted(expect)
+    assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
+    assert len(engine.manager) == 0

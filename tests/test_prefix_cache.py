@@ -275,3 +275,54 @@ def test_queries_change_nothing():
     assert e.m.cached_prefix(list(range(8))) == 4       # the last token is always computed
     assert e.m.blocks_to_add(list(range(10))) == 3      # two idle hits and one fresh block
     assert (e.m.cache.num_free, list(e.m.cache._idle), e.m.cache.hits) == before
+
+
+def _idle_pool(fast: bool):
+    """A pool of 8 blocks of 2 tokens whose free stack holds 4 blocks and whose idle
+    blocks are, least recently used first: y's [7, 8], two of nobody's, x's [1, 2]."""
+    from pagedkv import fast as f
+    from pagedkv.fast import prefix as fp
+    if fast:
+        m = fp.PrefixCachingManager(f.BlockAllocator(8, 16, xp=np), 2)
+    else:
+        m = PrefixCachingManager(BlockAllocator(8, 16, xp=np), 2)
+    for seq, prompt in (("y0", [7, 8, 9]), ("z0", [5, 5, 6]), ("z1", [4, 4, 6]),
+                        ("x0", [1, 2, 3])):
+        m.add(seq, prompt)
+    for seq in ("y0", "z0", "z1", "x0"):
+        m.free(seq)
+    return m
+
+
+X, Y = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 8, 9]
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["teaching", "fast"])
+def test_add_all_takes_every_hit_before_any_fresh_block(fast):
+    """Two sequences of one request come back together. Added one by one, x's fifth
+    fresh block evicts the least recently used idle block, which is the one y would
+    have found; ``add_all`` takes y's hit first, and x evicts a block nobody finds."""
+    m = _idle_pool(fast)
+    assert m.blocks_to_add(X) + m.blocks_to_add(Y) == 8 == m.blocks_to_add(X, Y)
+    m.add("x", X)
+    assert m.add("y", Y).cached_tokens == 0            # y's block went to x
+    m = _idle_pool(fast)
+    x, y = m.add_all([("x", X), ("y", Y)])
+    assert (x.cached_tokens, y.cached_tokens) == (2, 2)
+    assert m.allocator.num_free == 0
+    m.audit()
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["teaching", "fast"])
+def test_add_all_is_all_or_nothing(fast):
+    m = _idle_pool(fast)
+    before = (m.allocator.refcounts().tolist(), m.allocator.num_free, sorted(m.seq_ids))
+    with pytest.raises(OutOfBlocks, match="'x', 'y'"):
+        m.add_all([("x", X), ("y", Y + [1, 1])])       # one block more than is free
+    with pytest.raises(ConfigError, match="given twice"):
+        m.add_all([("x", X), ("x", Y)])
+    with pytest.raises(ConfigError, match="at least one token"):
+        m.add_all([("x", X), ("y", [])])
+    assert (m.allocator.refcounts().tolist(), m.allocator.num_free,
+            sorted(m.seq_ids)) == before
+    m.audit()

@@ -51,6 +51,10 @@ def same_result(a, b, where):
                 assert x == y, f"{where}: {name}: {x} != {y}"
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), where
+    elif isinstance(a, list):
+        assert len(a) == len(b), f"{where}: {len(a)} != {len(b)} results"
+        for x, y in zip(a, b):
+            same_result(x, y, where)
     else:
         assert a == b, f"{where}: {a} != {b}"
 
@@ -120,9 +124,17 @@ def run_stream(seed, steps=400):
             if both("fork", rng.choice(live), *children)[0] == "ok":
                 live += children
                 MET["fork"] += 1
-        elif r < 0.9:
+        elif r < 0.85:
             s = live.pop(rng.randrange(len(live)))
             both("free", s)
+        elif r < 0.9:                  # several at once: a request's samples coming back
+            head = prompt(rng, bs)
+            group = [(next(names), head + [rng.randrange(4) for _ in range(rng.randrange(
+                2 * bs))]) for _ in range(rng.randint(1, 3))]
+            both("blocks_to_add", *(p for _, p in group))
+            if both("add_all", group)[0] == "ok":
+                live += [s for s, _ in group]
+                MET["add_all"] += 1
         else:
             p = prompt(rng, bs)
             both("cached_prefix", p)
@@ -140,7 +152,8 @@ def test_prefix_managers_agree_on_random_calls(seed):
 
 def test_every_situation_was_met():
     """The streams above met every situation they are there for."""
-    for key in ("hit", "step", "fork", "evictions", "error OutOfBlocks", "error ConfigError"):
+    for key in ("hit", "step", "fork", "add_all", "evictions", "error OutOfBlocks",
+                "error ConfigError"):
         assert MET[key] > 0, (key, dict(MET))
 
 

@@ -258,27 +258,48 @@ class PrefixCachingManager(prefix_cache.PagesLookups):
     def cached_prefix(self, tokens) -> int:
         return len(self._find_prefix(*self._prompt_ids(tokens))[0]) * self.block_size
 
-    def blocks_to_add(self, tokens) -> int:
-        ids, hashes = self._prompt_ids(tokens)
-        hits = self._find_prefix(ids, hashes)[0]
+    def blocks_to_add(self, *prompts) -> int:
+        prompts = [self._prompt_ids(p) for p in prompts]
+        found = [self._find_prefix(ids, hashes)[0] for ids, hashes in prompts]
+        return self._need([len(ids) for ids, _ in prompts], found)
+
+    def _need(self, lens: list, found: list) -> int:
+        """Fresh blocks for ``lens`` tokens beyond the hits ``found``, and one for each
+        idle block found (once, however many prompts find it)."""
+        fresh = sum(cdiv(n, self.block_size) - len(h) for n, h in zip(lens, found))
         idle = self.cache._idle
-        return cdiv(len(ids), self.block_size) - len(hits) + sum(map(idle.__contains__, hits))
+        return fresh + len({b for h in found for b in h if b in idle})
 
     # -------------------------------------------------------------- growing
     def add(self, seq_id, tokens) -> PrefillPlan:
-        p = self.pages
-        p._check_new(seq_id, "sequence")
-        ids, hashes = self._prompt_ids(not_a_count(tokens, "add"))
-        if not len(ids):
-            raise ConfigError("add needs at least one token (the last one's logits choose "
-                              "the next)")
-        hits, hashes, data = self._find_prefix(ids, hashes)
-        n, bs, cache = len(hits), self.block_size, self.cache
-        fresh = cdiv(len(ids), bs) - n
-        need = fresh + sum(map(cache._idle.__contains__, hits))
+        return self.add_all([(seq_id, tokens)])[0]
+
+    def add_all(self, seqs) -> list[PrefillPlan]:
+        """The teaching ``add_all``: every sequence's hits are taken before any fresh
+        block."""
+        checked = []
+        for seq_id, tokens in seqs:
+            self.pages._check_new(seq_id, "sequence")
+            if any(seq_id == other for other, *_ in checked):
+                raise ConfigError(f"add_all: sequence {seq_id!r} is given twice")
+            ids, hashes = self._prompt_ids(not_a_count(tokens, "add"))
+            if not len(ids):
+                raise ConfigError("add needs at least one token (the last one's logits "
+                                  "choose the next)")
+            checked.append((seq_id, ids, *self._find_prefix(ids, hashes)))
+        cache = self.cache
+        need = self._need([len(c[1]) for c in checked], [c[2] for c in checked])
         if need > cache.num_free:
-            raise OutOfBlocks(need, cache.num_free, f"add {seq_id!r}")
-        cache.take(hits)
+            names = ", ".join(repr(c[0]) for c in checked)
+            raise OutOfBlocks(need, cache.num_free, f"add {names}")
+        for c in checked:                       # every hit first: none is evicted
+            cache.take(c[2])
+        return [self._place(*c) for c in checked]
+
+    def _place(self, seq_id, ids, hits, hashes, data) -> PrefillPlan:
+        """A new row: the cached blocks ``hits`` (taken already), then fresh blocks."""
+        p, cache, n, bs = self.pages, self.cache, len(hits), self.block_size
+        fresh = cdiv(len(ids), bs) - n
         row = len(p._ids)
         p._grow_rows(row + 1)
         p._ids.append(seq_id)

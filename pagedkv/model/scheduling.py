@@ -168,25 +168,42 @@ class Scheduling(Memory):
     def prefill(self, req, n: int) -> bool:
         """Place the request's next ``n`` prefill tokens, its sequences in order; False,
         placing nothing, if their blocks are not free. The parts wait in ``self.parts``
-        for the step's prefill pass."""
-        m, plan, need = self.manager, [], 0
+        for the step's prefill pass. Sequences new to the pool (a request back from a
+        recompute has several) are added together, every cached block they find taken
+        before any fresh one: a fresh block for one must not evict a block another
+        finds, or that one would have more to compute than was counted."""
+        m, grows, adds, need = self.manager, [], [], 0
         for seq in req.live:
             target = _cached_target(seq)
             if seq.seq_id in m:
                 start = m.num_tokens(seq.seq_id)
                 k = min(target - start, n)
-                need += m.blocks_needed(seq.seq_id, k)
+                if k:
+                    grows.append((seq, start, k))
+                    need += m.blocks_needed(seq.seq_id, k)
             else:
                 prompt = prefill_prompt(m, seq).head(target)
                 start = m.cached_prefix(prompt)
                 k = min(target - start, n)
-                need += m.blocks_to_add(prompt.head(start + k))
-            if k or seq.seq_id not in m:          # (a sequence found whole is added)
-                plan.append((seq, k))
+                if k:
+                    adds.append((seq, start, k, prompt.head(start + k)))
             n -= k
+        if adds:
+            need += m.blocks_to_add(*(a[3] for a in adds))
         if need > m.allocator.num_free:
             return False
-        self.parts.extend((req, self._prefill_part(seq, k)) for seq, k in plan)
+        plans = m.add_all([(seq.seq_id, p) for seq, _, _, p in adds]) if adds else []
+        for (seq, start, k, _), plan in zip(adds, plans):
+            if plan.cached_tokens != start:
+                raise AuditError(f"sequence {seq.seq_id} found {plan.cached_tokens} "
+                                 f"cached tokens where {start} were counted")
+            seq.prefill = None
+            self._count(seq, start, k, found=start)
+            self.parts.append((req, _part(seq, start, k, plan)))
+        for seq, start, k in grows:
+            plan = m.append(seq.seq_id, seq.tokens[start:start + k])
+            self._count(seq, start, k)
+            self.parts.append((req, _part(seq, start, k, plan)))
         if req.live[0].generated and not self.to_prefill(req):
             req.prefilled = True                   # back from a recompute: it decodes
         return True
@@ -248,30 +265,22 @@ class Scheduling(Memory):
             copy_to_host(self.device_blocks, self.swapper.host, outs)
         self.swap_pairs = ([], [])
 
-    # ------------------------------------------------------------------ placing a prefill
-    def _prefill_part(self, seq, n: int):
-        """Place the next ``n`` tokens of a sequence's prefill: (sequence, tokens,
-        positions, plan). Its first chunk starts after what the prefix cache holds. Blocks
-        are cached as they are planned, and the pass that follows writes them before any
-        sequence reads them."""
-        target, m = _cached_target(seq), self.manager
-        if seq.seq_id in m:
-            start = m.num_tokens(seq.seq_id)
-            plan = m.append(seq.seq_id, seq.tokens[start:start + n])
-        else:
-            prompt = prefill_prompt(m, seq).head(target)
-            start = m.cached_prefix(prompt)       # (a sibling placed just now may add hits)
-            n = min(n, target - start)
-            plan = m.add(seq.seq_id, prompt.head(start + n))
-            seq.prefill = None
-            self.counts.prompt_tokens += start
-            if seq.generated:
-                self.counts.refound_tokens += start
-        self.counts.prompt_tokens += n
-        self.counts.computed_tokens += n
+    # ------------------------------------------------------------------ counting
+    def _count(self, seq, start: int, n: int, found: int = 0) -> None:
+        """Count ``n`` prefill tokens computed from ``start`` on, after ``found`` found in
+        the prefix cache (a sequence that has generated is computed again)."""
+        c = self.counts
+        c.prompt_tokens += found + n
+        c.computed_tokens += n
         if seq.generated:
-            self.counts.recomputed_tokens += n
-        return seq, seq.tokens[start:start + n], range(start, start + n), plan
+            c.refound_tokens += found
+            c.recomputed_tokens += n
+
+
+def _part(seq, start: int, n: int, plan):
+    """One prefill part, as the pass takes it: (sequence, its tokens to compute, their
+    positions, the manager's plan for their slots)."""
+    return seq, seq.tokens[start:start + n], range(start, start + n), plan
 
 
 def _cached_target(seq) -> int:
