@@ -135,7 +135,10 @@ def test_long_prompt_prefilled_in_chunks(tiny):
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(beam_width=0), "beam_width"),
     (dict(n=3), "temperature"), (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(beam_width=2, temperature=0.5), "beam search"),
-    (dict(seed=1.5), "seed")])
+    (dict(seed=1.5), "seed"), (dict(seed=-1), "seed must be an integer >= 0"),
+    (dict(ignore_eos=1), "ignore_eos"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=5, max_new_tokens=4), "min_tokens"),
+    (dict(beam_width=2, ignore_eos=True), "beam search")])
 def test_bad_sampling_params(bad, match):
     with pytest.raises(ConfigError, match=match):
         SamplingParams(**bad)
@@ -207,6 +210,35 @@ def test_stops_on_an_id_the_model_emits(tiny, kind):
         assert all(stop not in g[:-1] for g, _ in got)        # none goes past a stop
     else:
         assert got[0][0] == best[:i + 1]                     # the same draws, cut at stop
+    assert engine.manager.allocator.num_free == 300
+
+
+@pytest.mark.parametrize("runner", ["plain", "fast"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "n4"])
+def test_ignore_eos_and_min_tokens(tiny, kind, runner):
+    """With a stop id the model emits: ``ignore_eos`` gives the answer of an engine with
+    no stop id (every token, the stop id included, up to max_new_tokens); ``min_tokens``
+    keeps the stop id out of the first tokens (masked: the next best is chosen) and
+    lets it end the answer after."""
+    params, prompt = PARAMS[kind], _prompts(SEED)[1]
+    free = Engine(tiny, num_blocks=300, block_size=16, stop_ids=(), runner=runner)
+    (req,) = free.generate([prompt], params)
+    best = req.outputs()[0].generated
+    i, stop = _first_new(best)
+    engine = Engine(tiny, num_blocks=300, block_size=16, stop_ids=(stop,), audit=True,
+                    runner=runner)
+    (req,) = engine.generate([prompt], SamplingParams(**{**params.__dict__,
+                                                         "ignore_eos": True}))
+    assert [s.generated for s in req.outputs()] == \
+        [s.generated for s in free.generate([prompt], params)[0].outputs()]
+    m = i + 2
+    (req,) = engine.generate([prompt], SamplingParams(**{**params.__dict__,
+                                                         "min_tokens": m}))
+    for s in req.outputs():
+        g = s.generated
+        assert stop not in g[:m] and (len(g) == params.max_new_tokens or g[-1] == stop)
+        assert stop not in g[:-1]
+    assert req.outputs()[0].generated[:i] == best[:i]     # the same choices before it
     assert engine.manager.allocator.num_free == 300
 
 

@@ -58,6 +58,8 @@ class SamplingParams:
     n: int = 1
     beam_width: int = 1
     seed: int | None = None
+    ignore_eos: bool = False   # an end token does not end the answer (benchmarks' lengths)
+    min_tokens: int = 0        # no end token among the first min_tokens (it is masked)
 
     def __post_init__(self):
         positive_int(self.max_new_tokens, "max_new_tokens")
@@ -73,8 +75,16 @@ class SamplingParams:
         if self.beam_width > 1 and (self.n > 1 or self.temperature > 0):
             raise ConfigError("beam search is greedy: give beam_width alone, without n or "
                               "temperature")
-        if self.seed is not None and not is_int(self.seed):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not (is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_new_tokens):
+            raise ConfigError(f"min_tokens must be an integer in [0, max_new_tokens = "
+                              f"{self.max_new_tokens}], got {self.min_tokens!r}")
+        if self.beam_width > 1 and (self.ignore_eos or self.min_tokens):
+            raise ConfigError("beam search ends its hypotheses at the end token: give "
+                              "ignore_eos and min_tokens without beam_width")
 
     @property
     def width(self) -> int:
@@ -397,11 +407,10 @@ class Engine(Scheduling):
             end = start + len(req.live)
             p = req.params
             if greedy is not None and end == start + 1 and p.temperature == 0 \
-                    and p.beam_width == 1:           # the common case, without a call
-                seq = req.live[0]
+                    and p.beam_width == 1 and not self._masked(req, greedy[start:end]):
+                seq = req.live[0]                    # the common case, without a call
                 seq.tokens.append(greedy[start])
-                if greedy[start] in self.stop_ids or \
-                        len(seq.tokens) - seq.prompt_len >= p.max_new_tokens:
+                if self._ends(p, seq):
                     self._retire(req, seq)
             elif p.beam_width > 1:
                 self._beam_step(req, logits[start:end])
@@ -415,15 +424,40 @@ class Engine(Scheduling):
         the rows' greedy tokens, when the runner chose them already)."""
         p = req.params
         u = req.rng.random(len(req.live)) if p.temperature > 0 else None
-        if p.temperature == 0 and greedy is not None:
+        if p.temperature == 0 and greedy is not None and not self._masked(req, greedy):
             tokens = greedy
         else:
-            tokens = sample(logits, p.temperature, p.top_p, u).tolist()
+            tokens = sample(self._mask(req, logits), p.temperature, p.top_p, u).tolist()
         for seq, t in zip(req.live, tokens):
             seq.tokens.append(int(t))
         for seq in list(req.live):
-            if seq.tokens[-1] in self.stop_ids or seq.num_generated >= p.max_new_tokens:
+            if self._ends(p, seq):
                 self._retire(req, seq)
+
+    def _ends(self, p: SamplingParams, seq: Sequence) -> bool:
+        """Does the token just chosen end the sequence: its limit, or an end token?"""
+        return seq.num_generated >= p.max_new_tokens or \
+            (seq.tokens[-1] in self.stop_ids and not p.ignore_eos)
+
+    def _early(self, req: Request) -> list:
+        """Rows whose next token may not be an end token yet (``min_tokens``)."""
+        if not req.params.min_tokens or not self.stop_ids:
+            return []
+        return [i for i, s in enumerate(req.live) if s.num_generated < req.params.min_tokens]
+
+    def _masked(self, req: Request, tokens) -> bool:
+        """Did a row choose an end token that ``min_tokens`` forbids?"""
+        return any(tokens[i] in self.stop_ids for i in self._early(req))
+
+    def _mask(self, req: Request, logits):
+        """The logits with the end tokens taken out of the rows ``min_tokens`` holds."""
+        rows = self._early(req)
+        if not rows:
+            return logits
+        logits = logits.copy()
+        for i in rows:
+            logits[i, sorted(self.stop_ids)] = -np.inf
+        return logits
 
     def _beam_step(self, req: Request, logits) -> None:
         """Beam search: rank every (beam, next token); fork the beams chosen more than once,
