@@ -102,6 +102,11 @@ class CachedBlocks:
         return self.num_blocks - self.num_free
 
     @property
+    def num_idle(self) -> int:
+        """Cached blocks nobody maps (counted in ``num_free``)."""
+        return len(self._idle)
+
+    @property
     def num_shared(self) -> int:
         return self.allocator.num_shared         # (an idle block has one owner)
 

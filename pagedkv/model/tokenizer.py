@@ -40,8 +40,14 @@ class Tokenizer:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, kind in zip(tokens, token_types) if kind == CONTROL])
         self._tok = tok
+        # the same tokenizer with the control tokens read as plain text: for what a user
+        # writes inside a chat turn, which must not be able to start a turn of its own
+        self._text = HFTokenizer.from_str(tok.to_str())
+        self._text.encode_special_tokens = True
         self.eos_id = int(eos_id)
         self.vocab_size = len(tokens)
+        self.controls = {t: i for i, (t, kind) in enumerate(zip(tokens, token_types))
+                         if kind == CONTROL}
 
     @classmethod
     def from_checkpoint(cls, ckpt) -> "Tokenizer":
@@ -50,8 +56,17 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as ids with every character read as text: ``"<|im_start|>"`` in it
+        becomes the ids of those characters, not the control token."""
+        return self._text.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids, skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def decoder(self) -> "StreamDecoder":
+        """An incremental decoder: the text of one more token at a time."""
+        return StreamDecoder(self._tok)
 
     def token(self, i: int) -> str:
         """One token as text (special tokens kept)."""
@@ -60,3 +75,17 @@ class Tokenizer:
     def chat(self, user: str, system: str | None = DEFAULT_SYSTEM) -> list[int]:
         """The token ids of :func:`chat_prompt`."""
         return self.encode(chat_prompt(user, system))
+
+
+class StreamDecoder:
+    """Text one token at a time, for a stream (``tokenizers``' ``DecodeStream``): a token
+    that ends in the middle of a UTF-8 character gives no text until the character is
+    whole, and control tokens give none. The text of every ``step`` so far is the
+    decoding of all the tokens so far, at O(1) work a token rather than O(length)."""
+
+    def __init__(self, tok):
+        from tokenizers.decoders import DecodeStream
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
+
+    def step(self, token: int) -> str:
+        return self._stream.step(self._tok, int(token)) or ""

@@ -38,10 +38,15 @@ class LoopCollector:
                 ("pagedkv_requests_rejected", "rejected",
                  "Requests the engine loop refused (429, or the engine's own 400)"),
                 ("pagedkv_requests_cancelled", "cancelled", "Requests cancelled (client gone)"),
+                ("pagedkv_requests_failed", "failed", "Requests that failed in the engine "
+                 "or the loop (each client got an error)"),
+                ("pagedkv_engine_failed_steps", "failed_steps", "Engine steps that raised"),
                 ("pagedkv_prompt_tokens", "prompt_tokens", "Prompt tokens submitted"),
                 ("pagedkv_generation_tokens", "generated_tokens", "Tokens generated"),
                 ("pagedkv_engine_steps", "steps", "Engine steps")):
             yield CounterMetricFamily(name, doc, value=s[key])
+        yield GaugeMetricFamily("pagedkv_engine_dead", "1 once the engine cannot serve "
+                                "(the server exits)", value=int(s["dead"]))
         prefilled, cached = s["prompt_tokens_prefilled"], s["prompt_tokens_cached"]
         yield GaugeMetricFamily("pagedkv_prefix_cache_hit_rate", "Share of prefilled prompt "
                                 "tokens found in the prefix cache",

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..model.tokenizer import DEFAULT_SYSTEM
 
-__all__ = ["Served", "ByteTokenizer", "chat_text", "load", "TINY_CONFIG", "TINY_SEED"]
+__all__ = ["Served", "ByteTokenizer", "chat_text", "chat_ids", "load", "TINY_CONFIG",
+           "TINY_SEED"]
 
 ROLES = ("system", "user", "assistant")
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1, 2
@@ -42,10 +43,14 @@ class ByteTokenizer:
     eos_id = 0
     vocab_size = 256 + len(SPECIALS)
 
-    def encode(self, text: str) -> list[int]:
+    controls = {s: i for i, s in enumerate(SPECIALS)}
+
+    def encode(self, text: str, controls: bool = True) -> list[int]:
+        """``controls=False``: every character is text, the control tokens' too."""
         ids, i = [], 0
         while i < len(text):
-            special = next((k for k, s in enumerate(SPECIALS) if text.startswith(s, i)), None)
+            special = next((k for k, s in enumerate(SPECIALS) if text.startswith(s, i)),
+                           None) if controls else None
             if special is not None:
                 ids.append(special)
                 i += len(SPECIALS[special])
@@ -54,11 +59,44 @@ class ByteTokenizer:
                 i += 1
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        return self.encode(text, controls=False)
+
+    def decoder(self) -> "ByteDecoder":
+        return ByteDecoder(self)
+
     def decode(self, ids, skip_special: bool = True) -> str:
         """One character a token: a byte is read as Latin-1, so that the text of a prefix
         is always a prefix of the text (a random model's bytes are rarely valid UTF-8)."""
         return "".join(chr(t - len(SPECIALS)) if t >= len(SPECIALS) else
                        "" if skip_special else SPECIALS[t] for t in map(int, ids))
+
+
+class ByteDecoder:
+    """The tiny tokenizer's text one token at a time (one character a token)."""
+
+    def __init__(self, tokenizer: ByteTokenizer):
+        self.tokenizer = tokenizer
+
+    def step(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+def chat_ids(tokenizer, messages, default_system: str | None = DEFAULT_SYSTEM) -> list:
+    """The ids of :func:`chat_text` for ``messages``, each turn's role and content read
+    as text (``tokenizer.encode_text``) between the control tokens' own ids: a message
+    that contains ``"<|im_start|>"`` cannot start a turn of its own. Without control
+    tokens in the messages the ids are those of ``tokenizer.encode(chat_text(...))``
+    (a control token splits the text the same way)."""
+    start, end = (tokenizer.controls[t] for t in ("<|im_start|>", "<|im_end|>"))
+    turns = list(messages)
+    if default_system is not None and (not turns or turns[0][0] != "system"):
+        turns.insert(0, ("system", default_system))
+    newline = tokenizer.encode_text("\n")
+    ids = []
+    for role, content in turns:
+        ids += [start, *tokenizer.encode_text(f"{role}\n{content}"), end, *newline]
+    return ids + [start, *tokenizer.encode_text("assistant\n")]
 
 
 def _tiny_config():

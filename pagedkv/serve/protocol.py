@@ -6,6 +6,7 @@ reaches the engine until the whole body has passed.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from ..errors import ConfigError, PagedKVError
 from ..model.generate import SamplingParams
 
-__all__ = ["ApiError", "Spec", "parse_completion", "parse_chat", "MAX_N", "MAX_STOP"]
+__all__ = ["ApiError", "Spec", "parse_completion", "parse_chat", "parse_body", "text",
+           "MAX_N", "MAX_STOP"]
 
 MAX_N = 16          # choices a request may ask for
 MAX_STOP = 4        # stop strings (OpenAI's limit)
@@ -103,15 +105,20 @@ def _common(body, served, prompt, default_tokens, kind) -> Spec:
     temperature = _number(body, "temperature", 1.0, 0, 2)
     top_p = _number(body, "top_p", 1.0, 0, 1, lo_open=True)
     n = _int(body, "n", 1, 1, MAX_N)
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise ApiError(f"seed must be an integer, got {seed!r}", "seed")
+    seed = _int(body, "seed", None, 0, 2**64 - 1)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(f"ignore_eos must be true or false, got {ignore_eos!r}",
+                       "ignore_eos")
+    min_tokens = _int(body, "min_tokens", 0, 0, max_tokens)
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or \
             not all(isinstance(s, str) and s for s in stop):
         raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOP} "
-                       f"of them, got {body.get('stop')!r}", "stop")
+                       f"of them, got {str(body.get('stop'))[:100]!r}", "stop")
+    for s in stop:
+        text(s, "stop")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -120,15 +127,43 @@ def _common(body, served, prompt, default_tokens, kind) -> Spec:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError("stream_options must be an object", "stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise ApiError("stream_options.include_usage must be true or false",
+                       "stream_options")
     want_pool = body.get("pool", False) is True
     try:
         params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                                top_p=top_p, n=n, seed=seed)
+                                top_p=top_p, n=n, seed=seed, ignore_eos=ignore_eos,
+                                min_tokens=min_tokens)
     except ConfigError as exc:
         param = "n" if "samples" in str(exc) else None
         raise ApiError(str(exc).replace("max_new_tokens", "max_tokens"), param) from None
     return Spec(list(prompt), params, tuple(stop), stream,
                 bool(options.get("include_usage")), want_pool, kind)
+
+
+def parse_body(raw: bytes):
+    """A request body as JSON, or a 400 that says what is wrong with it."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ApiError("the request body is nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ApiError(f"the request body is not UTF-8 (byte {exc.start})") from None
+    except ValueError as exc:
+        raise ApiError(f"the request body is not valid JSON ({len(raw)} bytes): "
+                       f"{exc}"[:200]) from None
+
+
+def text(s: str, param: str) -> str:
+    """``s``, if it is text that UTF-8 can hold (JSON may carry a lone surrogate,
+    ``"\\ud800"``, which no tokenizer can read)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(f"{param} is not valid Unicode: {exc.reason} at character "
+                       f"{exc.start} (a lone surrogate?)", param) from None
+    return s
 
 
 def _object(body):
@@ -145,7 +180,7 @@ def parse_completion(body, served) -> Spec:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = served.tokenizer.encode(prompt)
+        ids = served.tokenizer.encode(text(prompt, "prompt"))
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         vocab = served.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
@@ -166,15 +201,17 @@ def _content(message, i):
                            "messages")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
-        raise ApiError(f"messages[{i}].content must be a string, got {content!r}",
-                       "messages")
-    return content
+        raise ApiError(f"messages[{i}].content must be a string, got "
+                       f"{str(content)[:100]!r}", "messages")
+    return text(content, "messages")
 
 
 def parse_chat(body, served) -> Spec:
     """``POST /v1/chat/completions``: the messages in SmolLM2's chat template, its default
-    system prompt first when there is no system message (as ``pagedkv.generate`` does)."""
-    from .models import ROLES, chat_text
+    system prompt first when there is no system message (as ``pagedkv.generate`` does).
+    A message's text is read as text: the template's control tokens in it start no turn
+    (:func:`~pagedkv.serve.models.chat_ids`)."""
+    from .models import ROLES, chat_ids
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -186,7 +223,7 @@ def parse_chat(body, served) -> Spec:
             raise ApiError(f"messages[{i}] must be an object whose role is one of "
                            f"{', '.join(ROLES)}; got {m!r}"[:300], "messages")
         turns.append((m["role"], _content(m, i)))
-    ids = served.tokenizer.encode(chat_text(turns))
+    ids = chat_ids(served.tokenizer, turns)
     return _common(body, served, ids, CHAT_MAX_TOKENS, "chat.completion")
 
 
