@@ -35,8 +35,8 @@ from ..errors import ConfigError
 from ..model.blas import single_thread_blas
 from ..model.generate import Engine, SamplingParams
 
-__all__ = ["make_requests", "spike_requests", "spike", "options", "serve_pagedkv",
-           "serve_transformers", "latency", "main"]
+__all__ = ["make_requests", "spike_requests", "spike", "workload", "options",
+           "serve_pagedkv", "serve_transformers", "latency", "main"]
 
 PERCENTILES = (50, 90, 99)
 
@@ -280,16 +280,22 @@ def _progress(total: int, name: str):
     return tqdm(total=total, desc=name, unit="tok", disable=None, leave=False)
 
 
-def run(args) -> dict:
+def workload(args):
+    """The requests the command line asks for (``--spike``, ``--quick``, ``--requests``,
+    ``--lengths``, ``--seed``, ``--rate``), with their count and the lengths' range:
+    ``(requests, n, lo, hi)``."""
     if args.spike:
         requests = spike_requests(args.requests or 64, args.spike, seed=args.seed)
-        n, lo, hi = len(requests), 128, args.spike
-    elif args.quick:
+        return requests, len(requests), 128, args.spike
+    if args.quick:
         n, (lo, hi) = args.requests or 12, args.lengths or (8, 40)
-        requests = make_requests(n, lo, hi, args.seed, args.rate)
     else:
         n, (lo, hi) = args.requests or 256, args.lengths or (100, 1024)
-        requests = make_requests(n, lo, hi, args.seed, args.rate)
+    return make_requests(n, lo, hi, args.seed, args.rate), n, lo, hi
+
+
+def run(args) -> dict:
+    requests, n, lo, hi = workload(args)
     single_thread_blas()
     path, model, dtype = _load(args)
     r = {"command": "python -m pagedkv.bench.serve " + " ".join(args.argv),
