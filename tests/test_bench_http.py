@@ -68,8 +68,9 @@ def test_summarize_on_hand_made_records():
     assert s["output_tokens_per_s"] == pytest.approx(7.0)
     assert s["completed"] == 2 and s["errors"] == 1
     assert s["error_examples"] == ["HTTP 429: busy"]
-    assert s["ttft_ms"]["p50"] == pytest.approx(150) and s["ttft_ms"]["max"] == pytest.approx(200)
-    assert s["itl_ms"]["p50"] == pytest.approx(100) and s["itl_ms"]["max"] == pytest.approx(200)
+    ms = pytest.approx
+    assert s["ttft_ms"]["p50"] == ms(150) and s["ttft_ms"]["max"] == ms(200)   # 0.1, 0.2
+    assert s["itl_ms"]["p50"] == ms(100) and s["itl_ms"]["max"] == ms(200)     # .1 .2 .1
     assert s["tpot_ms"]["max"] == pytest.approx(150)            # (0.4 - 0.1) / 2
     assert s["tpot_ms"]["p50"] == pytest.approx((150 + 100 / 3) / 2)
     assert s["tokens_per_chunk"] == pytest.approx(7 / 5)

@@ -83,11 +83,13 @@ async def consume(lines, rec: dict, clock) -> dict:
     return rec
 
 
-async def post(client: httpx.AsyncClient, body: dict, rec: dict, clock) -> dict:
-    """Stream one completion into ``rec``; a non-200 answer or an exception is its error."""
+async def post(client: httpx.AsyncClient, body: bytes, rec: dict, clock) -> dict:
+    """Stream one completion (``body``: its JSON) into ``rec``; a non-200 answer or an
+    exception is its error."""
     rec["sent"] = clock()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", "/v1/completions", content=body,
+                                 headers={"content-type": "application/json"}) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 rec.update(error=f"HTTP {r.status_code}: {text[:300]}", end=clock())
@@ -98,20 +100,22 @@ async def post(client: httpx.AsyncClient, body: dict, rec: dict, clock) -> dict:
         return rec
 
 
-def body(model: str, prompt: list, max_tokens: int) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def body(model: str, prompt: list, max_tokens: int) -> bytes:
+    """A request's JSON, encoded before the clock starts."""
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
 
 
 # ---------------------------------------------------------------------- client processes
 
-def _client(url, model, share, slots, go, start, out) -> None:
-    """One client process: ``share`` as (index, arrival, prompt, output tokens), at most
-    ``slots`` in flight (None: no limit); records and progress go back through ``out``."""
-    asyncio.run(_drive(url, model, share, slots, go, start, out))
+def _client(*args) -> None:
+    asyncio.run(_drive(*args))
 
 
-async def _drive(url, model, share, slots, go, start, out) -> None:
+async def _drive(url, share, slots, go, start, out) -> None:
+    """One client process: ``share`` as (index, arrival, request body), at most ``slots``
+    in flight (None: no limit); records and progress go back through ``out``."""
     streams = slots or len(share)
     limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
     async with httpx.AsyncClient(base_url=url, http2=False, limits=limits,
@@ -128,21 +132,21 @@ async def _drive(url, model, share, slots, go, start, out) -> None:
         gate = asyncio.Semaphore(slots) if slots else None
         recs = []
 
-        async def one(i, arrival, prompt, max_tokens):
+        async def one(i, arrival, payload):
             rec = blank()
             recs.append(rec)
             await asyncio.sleep(arrival - clock())        # at once when already due
             async with gate or contextlib.nullcontext():   # (a slot frees: it is due)
                 rec["due"] = max(arrival, clock()) if gate else arrival
-                return await post(client, body(model, prompt, max_tokens), rec, clock)
+                return await post(client, payload, rec, clock)
 
-        async def tick(seen=0):                 # progress: chunks, a token each mostly
+        async def tick(total=0):                # progress: chunks, a token each mostly
             while True:
                 await asyncio.sleep(0.2)
-                seen, new = sum(len(r["times"]) for r in recs), seen
-                out.put(("chunks", seen - new))
+                total, before = sum(len(r["times"]) for r in recs), total
+                out.put(("chunks", total - before))
         ticker = asyncio.create_task(tick())
-        records = await asyncio.gather(*(one(*req) for req in share))
+        records = await asyncio.gather(*(one(i, a, p) for i, a, p in share))
         ticker.cancel()
     for (i, *_), rec in zip(share, records):
         rec["index"] = i
@@ -160,10 +164,11 @@ def drive(url: str, model: str, requests, clients: int, concurrency: int | None 
     out, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     procs = []
     for k in range(clients):
-        share = [(i, *requests[i]) for i in order[k::clients]]
+        share = [(i, requests[i][0], body(model, *requests[i][1:]))
+                 for i in order[k::clients]]
         slots = concurrency // clients + (k < concurrency % clients) if concurrency else None
         procs.append(ctx.Process(target=_client, daemon=True,
-                                 args=(url, model, share, slots, go, start, out)))
+                                 args=(url, share, slots, go, start, out)))
         procs[-1].start()
     ready, records = 0, []
     while len(records) < len(requests):
@@ -188,16 +193,6 @@ def drive(url: str, model: str, requests, clients: int, concurrency: int | None 
     return sorted(records, key=lambda r: r["index"])
 
 
-async def _in_turn(url: str, bodies, together: bool) -> list:
-    """Stream ``bodies`` from this process, all at once or one after another."""
-    async with httpx.AsyncClient(base_url=url, http2=False, timeout=TIMEOUT) as client:
-        async def one(b):
-            return await post(client, b, blank(), time.monotonic)
-        if together:
-            return await asyncio.gather(*map(one, bodies))
-        return [await one(b) for b in bodies]
-
-
 # ---------------------------------------------------------------------- statistics
 
 def summarize(records) -> dict:
@@ -213,7 +208,8 @@ def summarize(records) -> dict:
             for r in ok if r["times"] and (r["tokens"] or 0) > 1]
     errors = [r["error"] for r in records if r["error"] is not None]
     return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
-            "ttft_ms": latency(ttft), "itl_ms": latency(itl), "tpot_ms": latency(tpot),
+            "ttft_ms": latency(ttft), "ttft_min_ms": 1e3 * min(ttft, default=float("nan")),
+            "itl_ms": latency(itl), "tpot_ms": latency(tpot),
             "tokens_per_chunk": tokens / chunks if chunks else float("nan"),
             "completed": len(ok), "errors": len(errors), "error_examples": errors[:3],
             "send_lag_ms": latency([r["sent"] - r["due"] for r in records]),
@@ -251,13 +247,9 @@ def _env() -> dict:
 def _probe(url: str, model: str, vocab: int, n: int) -> dict:
     """TTFT of ``n`` lone requests (a fresh 100-token prompt each, 16 tokens), in turn."""
     rnd = random.Random(1)
-    bodies = [body(model, [rnd.randrange(3, vocab) for _ in range(100)], 16)
-              for _ in range(n)]
-    recs = asyncio.run(_in_turn(url, bodies, together=False))
-    ttft = [r["times"][0] - r["sent"] for r in recs if r["error"] is None and r["times"]]
-    from .serve import latency
-    return {"n": n, "errors": n - len(ttft), "min": 1e3 * min(ttft, default=float("nan")),
-            **latency(ttft)}
+    lone = [(0.0, [rnd.randrange(3, vocab) for _ in range(100)], 16) for _ in range(n)]
+    s = summarize(drive(url, model, lone, clients=1, concurrency=1))
+    return {"n": n, "errors": s["errors"], "min": s["ttft_min_ms"], **s["ttft_ms"]}
 
 
 def _http(args, requests, r: dict) -> tuple:
@@ -279,18 +271,18 @@ def _http(args, requests, r: dict) -> tuple:
     requests = [(a, [t % vocab for t in p], o) for a, p, o in requests]
     print(f"{model} at {url}, {args.clients} client process(es)", flush=True)
     try:                       # warm-up, as bench.serve's: a few short requests first
-        asyncio.run(_in_turn(url, [body(model, [5 + i] * 20, 4) for i in range(4)], True))
+        drive(url, model, [(0.0, [5 + i] * 20, 4) for i in range(4)], clients=1)
         bar = _progress(r["workload"]["output_tokens"], "http")
         records = drive(url, model, requests, args.clients, args.concurrency, bar)
-        bar is not None and bar.close()
+        if bar is not None:
+            bar.close()
         r["http"] = summarize(records)
         if args.ttft_probe:
             r["ttft_probe"] = _probe(url, model, vocab, args.ttft_probe)
     finally:
         if server is not None:
-            r["server_exit"] = server.stop()
-            r["server_log_tail"] = server.log()[-2000:] if "Traceback" in server.log() \
-                else ""
+            r["server_exit"], log = server.stop(), server.log()
+            r["server_log_tail"] = log[-2000:] if "Traceback" in log else ""
     return model, requests
 
 
@@ -320,7 +312,8 @@ def run(args) -> dict:
                              blocks=pool_blocks(args, requests), runner=args.runner)
         bar = serve._progress(asked, "engine")
         e = serve.serve_pagedkv(served.model, requests, opts, bar)
-        bar is not None and bar.close()
+        if bar is not None:
+            bar.close()
         tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in e.pop("stamps") if len(s) > 1]
         e.pop("due")
         e.update(errors=0, tpot_ms=serve.latency(tpot), options=vars(opts),
