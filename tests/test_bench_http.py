@@ -78,6 +78,13 @@ def test_summarize_on_hand_made_records():
     assert s["completion_tokens"] == [3, 4, None]
 
 
+def test_bad_arguments_are_refused_before_a_server_starts():
+    for bad in (["--concurrency", "0"], ["--clients", "0"], ["--rate", "-1"],
+                ["--url", "http://127.0.0.1:9", "--audit"]):
+        with pytest.raises(SystemExit):
+            http.main(["--quick", "--model", "tiny", *bad])
+
+
 def test_quick_run_end_to_end(tmp_path, capsys):
     out = tmp_path / "http.json"
     t = time.monotonic()

@@ -318,7 +318,9 @@ def run(args) -> dict:
         e.pop("due")
         e.update(errors=0, tpot_ms=serve.latency(tpot), options=vars(opts),
                  run="in this process, " + ("the --url server idle" if args.url else
-                                            "after the server stopped"))
+                                            "after the server stopped")
+                 + (", every request at its arrival (no --concurrency limit)"
+                    if args.concurrency else ""))
         r["engine"] = e
     r["machine"] = {"cpus": os.cpu_count(), **backend.describe()}
     return r
