@@ -258,7 +258,7 @@ def _http(args, requests, r: dict) -> tuple:
     their ids fitted to the model's vocabulary)."""
     from ..serve.models import ByteTokenizer
     from ..serve.process import ServerProcess, get_json
-    from .serve import _progress
+    from .serve import _progress, spike
     server = None
     if args.url:
         url, r["server_flags"] = args.url.rstrip("/"), "unknown (a running server, --url)"
@@ -277,6 +277,9 @@ def _http(args, requests, r: dict) -> tuple:
         if bar is not None:
             bar.close()
         r["http"] = summarize(records)
+        if args.spike:
+            r["http"]["spike"] = spike({"stamps": [x["times"] for x in records],
+                                        "due": [x["due"] for x in records]})
         if args.ttft_probe:
             r["ttft_probe"] = _probe(url, model, vocab, args.ttft_probe)
     finally:
@@ -308,12 +311,16 @@ def run(args) -> dict:
         from ..serve.models import load
         single_thread_blas()
         served = load("tiny" if r["model"] == TINY else "smollm2", args.gguf)
+        # (beside the server's engine, bench.serve's packs prefills into passes of 2,048
+        # tokens rather than 512 when there is no budget, and stops at no token)
         opts = serve.options(token_budget=args.token_budget, max_seqs=args.max_seqs,
                              blocks=pool_blocks(args, requests), runner=args.runner)
         bar = serve._progress(asked, "engine")
         e = serve.serve_pagedkv(served.model, requests, opts, bar)
         if bar is not None:
             bar.close()
+        if args.spike:
+            e["spike"] = serve.spike(e)
         tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in e.pop("stamps") if len(s) > 1]
         e.pop("due")
         e.update(errors=0, tpot_ms=serve.latency(tpot), options=vars(opts),
@@ -344,6 +351,10 @@ def table(r: dict) -> str:
     lines += [f"http: ITL between chunks; requests sent up to "
               f"{h['send_lag_ms']['max']:.1f} ms after they were due"]
     lines += [f"http error: {e}" for e in h["error_examples"]]
+    lines += [f"{k}: while the long prompt is prefilled, the others' worst gap "
+              f"{r[k]['spike']['worst_itl_ms']:.1f} ms, "
+              f"{r[k]['spike']['worst_over_median']:.1f} x their median"
+              for k in sides if "spike" in r[k]]
     if "ttft_probe" in r:
         p = r["ttft_probe"]
         lines.append(f"TTFT of a lone 100-token prompt, {p['n']} times: p50 {p['p50']:.2f} "
