@@ -35,8 +35,9 @@ from ..errors import ConfigError
 from ..model.blas import single_thread_blas
 from ..model.generate import Engine, SamplingParams
 
-__all__ = ["make_requests", "spike_requests", "spike", "options", "serve_pagedkv",
-           "serve_transformers", "latency", "main"]
+__all__ = ["make_requests", "spike_requests", "spike", "workload", "workload_arguments",
+           "check_workload", "options", "serve_pagedkv", "serve_transformers", "latency",
+           "main"]
 
 PERCENTILES = (50, 90, 99)
 
@@ -280,16 +281,47 @@ def _progress(total: int, name: str):
     return tqdm(total=total, desc=name, unit="tok", disable=None, leave=False)
 
 
-def run(args) -> dict:
+def workload(args):
+    """The requests the command line asks for (``--spike``, ``--quick``, ``--requests``,
+    ``--lengths``, ``--seed``, ``--rate``), with their count and the lengths' range:
+    ``(requests, n, lo, hi)``."""
     if args.spike:
         requests = spike_requests(args.requests or 64, args.spike, seed=args.seed)
-        n, lo, hi = len(requests), 128, args.spike
-    elif args.quick:
+        return requests, len(requests), 128, args.spike
+    if args.quick:
         n, (lo, hi) = args.requests or 12, args.lengths or (8, 40)
-        requests = make_requests(n, lo, hi, args.seed, args.rate)
     else:
         n, (lo, hi) = args.requests or 256, args.lengths or (100, 1024)
-        requests = make_requests(n, lo, hi, args.seed, args.rate)
+    return make_requests(n, lo, hi, args.seed, args.rate), n, lo, hi
+
+
+def workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`workload` reads, on parser ``p``."""
+    p.add_argument("--quick", action="store_true",
+                   help="12 requests of 8-40 tokens: a CPU-sized run")
+    p.add_argument("--requests", type=int, help="how many (default 256; 12 with --quick)")
+    p.add_argument("--lengths", type=int, nargs=2, metavar=("LO", "HI"),
+                   help="prompt and output lengths, uniform in [LO, HI] (default 100 1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=None,
+                   help="Poisson arrivals, requests a second (default: all at once)")
+    p.add_argument("--spike", type=int, default=0, metavar="TOKENS",
+                   help="instead: --requests (default 64) decoding, and one prompt of "
+                        "TOKENS arriving after 0.5 s")
+
+
+def check_workload(p: argparse.ArgumentParser, args) -> None:
+    """Refuse (``p.error``) workload flags :func:`workload` cannot serve."""
+    if args.requests is not None and args.requests < 1:
+        p.error("--requests must be at least 1")
+    if args.lengths and not 1 <= args.lengths[0] <= args.lengths[1]:
+        p.error("--lengths LO HI needs 1 <= LO <= HI")
+    if args.rate is not None and args.rate <= 0:
+        p.error("--rate must be positive")
+
+
+def run(args) -> dict:
+    requests, n, lo, hi = workload(args)
     single_thread_blas()
     path, model, dtype = _load(args)
     r = {"command": "python -m pagedkv.bench.serve " + " ".join(args.argv),
@@ -373,14 +405,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m pagedkv.bench.serve",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="12 requests of 8-40 tokens: a CPU-sized run")
-    p.add_argument("--requests", type=int, help="how many (default 256; 12 with --quick)")
-    p.add_argument("--lengths", type=int, nargs=2, metavar=("LO", "HI"),
-                   help="prompt and output lengths, uniform in [LO, HI] (default 100 1024)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rate", type=float, default=None,
-                   help="Poisson arrivals, requests a second (default: all at once)")
+    workload_arguments(p)
     p.add_argument("--token-budget", type=int, default=2048,
                    help="tokens a step computes, prefills and decodes (default 2048; "
                         "0: no budget, every admitted prompt prefilled at once)")
@@ -389,9 +414,6 @@ def main(argv=None) -> int:
                    help="pool blocks (default: every block the requests could need)")
     p.add_argument("--runner", choices=("plain", "fast", "fast-eager"), default=None,
                    help="default: fast on a GPU, plain on a CPU")
-    p.add_argument("--spike", type=int, default=0, metavar="TOKENS",
-                   help="instead: --requests (default 64) decoding, and one prompt of "
-                        "TOKENS arriving after 0.5 s")
     p.add_argument("--keep-stamps", action="store_true",
                    help="keep every token's time in the JSON")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
@@ -399,13 +421,9 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", metavar="PATH", help="the model file (default: $PAGEDKV_GGUF, "
                    "else the installed package's)")
     args = p.parse_args(argv)
-    for name in ("requests", "max_seqs"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.lengths and not 1 <= args.lengths[0] <= args.lengths[1]:
-        p.error("--lengths LO HI needs 1 <= LO <= HI")
-    if args.rate is not None and args.rate <= 0:
-        p.error("--rate must be positive")
+    check_workload(p, args)
+    if args.max_seqs < 1:
+        p.error("--max-seqs must be at least 1")
     if args.token_budget < 0:
         p.error("--token-budget must be at least 0")
     args.token_budget = args.token_budget or None
