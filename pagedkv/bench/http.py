@@ -232,8 +232,7 @@ def server_flags(args, requests) -> list:
              "--num-blocks", pool_blocks(args, requests), "--max-waiting", len(requests)]
     if args.gguf:
         flags += ["--gguf", args.gguf]
-    if args.token_budget:
-        flags += ["--token-budget", args.token_budget]
+    flags += ["--token-budget", args.token_budget]
     return [str(f) for f in flags + args.server_args]
 
 
@@ -311,9 +310,8 @@ def run(args) -> dict:
         from ..serve.models import load
         single_thread_blas()
         served = load("tiny" if r["model"] == TINY else "smollm2", args.gguf)
-        # (beside the server's engine, bench.serve's packs prefills into passes of 2,048
-        # tokens rather than 512 when there is no budget, and stops at no token)
-        opts = serve.options(token_budget=args.token_budget, max_seqs=args.max_seqs,
+        # (the server's engine stops at the end token unless asked not to: ignore_eos)
+        opts = serve.options(token_budget=args.token_budget or None, max_seqs=args.max_seqs,
                              blocks=pool_blocks(args, requests), runner=args.runner)
         bar = serve._progress(asked, "engine")
         e = serve.serve_pagedkv(served.model, requests, opts, bar)
@@ -368,7 +366,6 @@ def table(r: dict) -> str:
 
 def main(argv=None) -> int:
     from . import serve
-    from ..serve.__main__ import parser as server_parser
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m pagedkv.bench.http",
                                 description=__doc__.split("\n")[0],
@@ -386,21 +383,22 @@ def main(argv=None) -> int:
     add("--max-seqs", type=int, default=256)
     add("--num-blocks", type=int, default=0,
         help="pool blocks (default: every block the requests could need)")
-    add("--token-budget", type=int, help="tokens a step computes (default: the server's)")
+    add("--token-budget", type=int, default=2048,
+        help="tokens a step computes, in the server and in the engine run (default 2048, "
+             "the server's; 0: no budget)")
     add("--ttft-probe", type=int, nargs="?", const=10, default=0, metavar="N",
         help="after the run, N lone requests on the idle server (default 10)")
     add("--no-engine", action="store_true", help="skip the in-process run")
     add("--json", metavar="PATH", help="write every number to PATH")
     args, args.server_args = p.parse_known_args(argv)
     serve.check_workload(p, args)
-    for name in ("max_seqs", "concurrency", "clients", "token_budget"):
+    for name in ("max_seqs", "concurrency", "clients"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.token_budget < 0:
+        p.error("--token-budget must be at least 0 (0: no budget)")
     if args.url and args.server_args:
         p.error(f"unknown with --url: {' '.join(args.server_args)}")
-    if args.token_budget and not args.url and \
-            "--token-budget" not in server_parser()._option_string_actions:
-        p.error("the server has no --token-budget: its engine runs without a budget")
     if args.runner is None:
         from .. import backend
         args.runner = "fast" if backend.on_gpu else "plain"
