@@ -19,7 +19,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedkv.kernels import _common, attention, staircase  # noqa: E402
+from pagedkv.kernels import _common, attention, prefill, staircase  # noqa: E402
 
 
 def instances(quick: bool):
@@ -38,7 +38,28 @@ def instances(quick: bool):
     out.append(("paged_decode.cu", prod))
     out.append(("paged_decode_tc.cu", tc))
     out.append(("staircase.cu", staircase.all_names(quick)))
+    out.append((prefill.PREFILL_SOURCE, prefill_instances(quick)))
     return out
+
+
+#: Launch shapes of the prefill kernel besides the default that perf/prefill_check.py times.
+PREFILL_SWEEP = {64: [(8, 1, 64, 2), (2, 1, 64, 2), (4, 2, 32, 2), (4, 1, 128, 2),
+                      (4, 1, 64, 3)],
+                 128: [(8, 1, 64, 2), (2, 1, 64, 2), (4, 1, 32, 2), (4, 1, 64, 3)]}
+
+
+def prefill_instances(quick: bool):
+    """Every dtype, head_dim, group and block size with the default launch shape, and the
+    swept shapes for SmolLM2's (fp16, 64, group 3) and a Llama-8B-like (bf16, 128, group 4)."""
+    names = []
+    for dt in (1,) if quick else (1, 2):
+        for d in prefill.PREFILL_HEAD_DIMS:
+            for g in ((3, 8) if quick else range(1, _common.MAX_GROUP + 1)):
+                for bs in ((16,) if quick else _common.BLOCK_SIZES):
+                    names.append(prefill.prefill_name(dt, d, g, bs))
+    for dt, d, g in ((1, 64, 3), (2, 128, 4)):
+        names += [prefill.prefill_name(dt, d, g, 16, c) for c in PREFILL_SWEEP[d]]
+    return names
 
 
 def compile_one(fname, names, arch="sm_90"):

@@ -276,10 +276,11 @@ def test_gpu_prefill_matches_reference(dtype, head_dim, group, block_size):
 
 
 @gpu
-@pytest.mark.parametrize("config", [(4, 1, 32, 2), (4, 1, 64, 3), (2, 1, 64, 2),
-                                    (8, 1, 64, 2), (4, 2, 32, 2), (4, 1, 128, 2)])
+@pytest.mark.parametrize("config", [(4, 1, 64, 2), (4, 1, 32, 2), (4, 1, 64, 3), (2, 1, 64, 2),
+                                    (8, 1, 64, 2), (4, 2, 32, 2), (4, 1, 128, 2)],
+                         ids=lambda c: "x".join(map(str, c)))
 def test_gpu_launch_shapes(config):
-    # The shapes perf/prefill_check.py times must give the same answers.
+    # The default launch and the shapes perf/prefill_check.py times beside it.
     rng = rng_for(5500 + sum(config))
     for dtype, d, g in [("float16", 64, 3), ("bfloat16", 128, 4)]:
         case = make_prefill_case(rng, [7, 300, 1, 100], [0, 40, 9, 0], 3 * g, 3, d, 16, dtype,

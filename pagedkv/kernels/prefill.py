@@ -29,12 +29,12 @@ import numpy as np
 from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import (DTYPE_CODES, allow_dynamic_smem, check_prefill, fn_attr, is_cupy, kernel,
-                      load_source, to_dtype)
+from ._common import (DTYPE_CODES, PREFILL_HEAD_DIMS, allow_dynamic_smem, check_prefill, fn_attr,
+                      is_cupy, kernel, load_source, to_dtype)
 from .reference import prefill_numpy
 
 __all__ = ["paged_prefill_attention", "prefill_plan", "PrefillPlan", "prefill_config",
-           "prefill_name", "grid_ctas", "PREFILL_SOURCE"]
+           "prefill_name", "grid_ctas", "PREFILL_SOURCE", "PREFILL_HEAD_DIMS"]
 
 PREFILL_SOURCE = "paged_prefill.cu"
 
