@@ -209,6 +209,8 @@ def test_bad_inputs_raise_config_error():
         "out shape": lambda: call(q, cache, tables, qs, lens, out=np.empty((14, 4, 32),
                                                                           np.float16)),
         "out dtype": lambda: call(q, cache, tables, qs, lens, out=np.empty(q.shape)),
+        "scale 0": lambda: call(q, cache, tables, qs, lens, scale=0.0),
+        "scale negative": lambda: call(q, cache, tables, qs, lens, scale=-0.1),
     }
     out = np.full(q.shape, 7, np.float16)
     for what, bad in bad_calls.items():

@@ -19,7 +19,8 @@
 //   2. each warp computes S = Q K^T for its rows (mma.sync.m16n8k16: A = 16 rows of Q, held
 //      in registers all along; B = K^T, 8 keys per mma, from shared memory by ldmatrix);
 //   3. masks the keys past each row's position (only in tiles that cross the diagonal),
-//      and updates its rows' online softmax (running max m, sum l; p = 2^(s - m));
+//      and updates its rows' online softmax (running max m, sum l; p = 2^(s - m), in log2
+//      units: the host passes scale * log2(e));
 //   4. O += P V: the C fragments of S are exactly the A fragments P needs (rounded to
 //      16 bits), B = V, 8 numbers of head_dim per mma, by ldmatrix.trans.
 // A warp skips the tiles that lie wholly above its own rows' diagonal, and the CTA never
@@ -235,24 +236,26 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         }
         // 3. Causal mask and online softmax, row by row. Key t0 + 8j + 2tig + e sits in
         //    s[mt][j][2hr + e]; the 4 threads of a quad share a row's max by two shuffles.
+        //    The max is taken of the raw scores (the scale is positive) and the scale folded
+        //    into p = 2^(s * scale_log2 - m), one fused multiply-add per score.
         const bool diagonal = t0 + KV_TILE - 1 > lo;   // some key here is past some row
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
-                float mx = m[mt][hr];
+                float raw = NEG_INF;
                 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float x = s[mt][j][2 * hr + e] * scale_log2;
-                        if (diagonal && t0 + 8 * j + 2 * tig + e > pos[mt][hr]) x = NEG_INF;
-                        s[mt][j][2 * hr + e] = x;
-                        mx = fmaxf(mx, x);
+                        if (diagonal && t0 + 8 * j + 2 * tig + e > pos[mt][hr])
+                            s[mt][j][2 * hr + e] = NEG_INF;
+                        raw = fmaxf(raw, s[mt][j][2 * hr + e]);
                     }
                 }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 1));
+                raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 2));
+                const float mx = fmaxf(m[mt][hr], raw * scale_log2);   // log2 units
                 const float corr = exp2f(m[mt][hr] - mx);
                 m[mt][hr] = mx;
                 float sum = 0.f;
@@ -260,7 +263,7 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
                 for (int j = 0; j < NT; ++j) {
                     #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = exp2f(s[mt][j][2 * hr + e] - mx);
+                        const float p = exp2f(fmaf(s[mt][j][2 * hr + e], scale_log2, -mx));
                         s[mt][j][2 * hr + e] = p;
                         sum += p;
                     }

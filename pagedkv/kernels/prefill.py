@@ -162,7 +162,7 @@ def paged_prefill_attention(q, cache, block_tables, query_start, seq_lens, *, sc
 
     Sequence ``b``'s new tokens (rows ``query_start[b] .. query_start[b + 1] - 1`` of ``q``)
     sit at positions ``seq_lens[b] - n_b .. seq_lens[b] - 1``; the one at position ``p``
-    attends to positions ``0 .. p``. Their K/V must be in the cache already. ``scale``
+    attends to positions ``0 .. p``. Their K/V must be in the cache already. ``scale`` (> 0)
     defaults to ``1/sqrt(head_dim)``; ``out`` may be given. uint16 arrays are taken as
     bfloat16 bits. ``config`` overrides the GPU launch shape (see :func:`prefill_plan`).
 
@@ -171,6 +171,9 @@ def paged_prefill_attention(q, cache, block_tables, query_start, seq_lens, *, sc
     (float16 or bfloat16) they are trusted, since reading them would stall the GPU. Positions
     past a sequence's length are never read, whatever the pool holds there.
     """
+    if scale is not None and not float(scale) > 0:
+        raise ConfigError(f"scale must be positive (the kernel takes row maxima of the raw "
+                          f"scores), got {scale}")
     if is_cupy(cache):
         key = (q.shape, q.dtype, cache.shape, cache.dtype, block_tables.shape,
                block_tables.dtype, query_start.shape, query_start.dtype, seq_lens.shape,

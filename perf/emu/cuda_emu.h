@@ -126,6 +126,7 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::exp2f;
 using std::fmaxf;
+using std::fmaf;
 
 #define NEG_INF __uint_as_float(0xff800000u)
 
