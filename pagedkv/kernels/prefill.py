@@ -41,9 +41,11 @@ PREFILL_SOURCE = "paged_prefill.cu"
 
 def prefill_config(head_dim: int):
     """(warps per CTA, 16-row pieces per warp, keys per K/V tile, ring stages): the launch
-    shape for ``head_dim``. Registers set the limit: a warp holds its Q rows, its O rows and
-    a 16 x KV_TILE tile of scores in registers."""
-    return (4, 1, 64, 2) if head_dim <= 64 else (4, 1, 64, 2)
+    shape for ``head_dim``. Four warps of one 16-row piece each (64 query rows a CTA), K/V
+    tiles of 64 keys, two in flight: with Q, O and a 16 x 64 tile of scores in registers
+    this is 166 registers a thread at head_dim 64 and 222 at 128, no spills (nvcc 13,
+    sm_90). Not yet tuned on a GPU: perf/prefill_check.py times the alternatives beside it."""
+    return (4, 1, 64, 2)
 
 
 def prefill_name(dt: int, head_dim: int, group: int, block_size: int, config=None) -> str:
@@ -171,6 +173,7 @@ def paged_prefill_attention(q, cache, block_tables, query_start, seq_lens, *, sc
     (float16 or bfloat16) they are trusted, since reading them would stall the GPU. Positions
     past a sequence's length are never read, whatever the pool holds there.
     """
+    config = None if config is None else tuple(config)
     if scale is not None and not float(scale) > 0:
         raise ConfigError(f"scale must be positive (the kernel takes row maxima of the raw "
                           f"scores), got {scale}")
