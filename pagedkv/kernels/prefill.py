@@ -29,8 +29,8 @@ import numpy as np
 from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import (DTYPE_CODES, PREFILL_HEAD_DIMS, allow_dynamic_smem, check_prefill, fn_attr,
-                      is_cupy, kernel, load_source, to_dtype)
+from ._common import (DTYPE_CODES, PREFILL_HEAD_DIMS, allow_dynamic_smem, check_prefill,
+                      fn_attr, is_cupy, kernel, load_source, to_dtype)
 from .reference import prefill_numpy
 
 __all__ = ["paged_prefill_attention", "prefill_plan", "PrefillPlan", "prefill_config",

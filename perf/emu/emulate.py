@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pagedkv.kernels import prefill  # noqa: E402
-from pagedkv.kernels._common import BF16, DTYPE_CODES, dtype_name  # noqa: E402
+from pagedkv.kernels._common import DTYPE_CODES, dtype_name  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 CACHE = pathlib.Path(os.environ.get("PAGEDKV_EMU_DIR", "/tmp/pagedkv_emu"))
