@@ -7,8 +7,8 @@
 * :func:`decode_numpy` — the production kernel's algorithm in float32 NumPy (a page of every
   sequence per step, an online softmax per split, the splits merged at the end): what
   :func:`~pagedkv.kernels.paged_decode_attention` runs on NumPy arrays.
-* :func:`paged_prefill_attention_ref` — the float64 reference of causal prefill attention (several
-  new tokens per sequence, each attending to the positions up to its own).
+* :func:`paged_prefill_attention_ref` — the float64 reference of causal prefill attention
+  (several new tokens per sequence, each attending to the positions up to its own).
 * :func:`prefill_numpy` — the prefill kernel's algorithm in float32 NumPy (K/V tiles, an online
   softmax, tiles above the causal diagonal never read): what
   :func:`~pagedkv.kernels.paged_prefill_attention` runs on NumPy arrays.
@@ -201,7 +201,7 @@ def prefill_numpy(q, cache, block_tables, query_start, seq_lens, scale, kv_dtype
         m = np.full((kv_heads, n, group), -np.inf, np.float32)
         l = np.zeros_like(m)
         acc = np.zeros((kv_heads, n, group, d), np.float32)
-        for t0 in range(0, length, kv_tile):                 # the last tile holds position length-1
+        for t0 in range(0, length, kv_tile):     # up to the last new token's position
             t = np.arange(t0, min(t0 + kv_tile, length))
             blocks = block_tables[b, t // bs]
             k = as_float(cache[blocks, 0, t % bs], kv_dtype).astype(np.float32)  # [T, kv_heads, D]
