@@ -76,3 +76,21 @@ def host(a):
     """A float64 NumPy copy (bf16 bits in uint16 viewed as bf16 first)."""
     a = backend.to_numpy(a)
     return (a.view(BF16) if a.dtype == np.uint16 else a).astype(np.float64)
+
+
+def make_prefill_case(rng, qlens, prefix_lens, q_heads, kv_heads, head_dim, block_size, dtype,
+                      **kw):
+    """q, cache, block_tables, query_start, seq_lens (NumPy) for a prefill step.
+
+    Sequence ``b`` has ``prefix_lens[b]`` tokens already in the cache (a prefix-cache hit or
+    earlier chunks) and ``qlens[b]`` new ones, whose K/V are in the cache too (written before
+    attention runs); so ``seq_lens = prefix_lens + qlens``. The pool, tables and junk are as
+    in :func:`make_case` (``kw`` goes there).
+    """
+    qlens = np.asarray(qlens, np.int32)
+    lens = qlens + np.asarray(prefix_lens, np.int32)
+    _, cache, tables, lens = make_case(rng, lens, q_heads, kv_heads, head_dim, block_size,
+                                       dtype, **kw)
+    q = rng.standard_normal((int(qlens.sum()), q_heads, head_dim)).astype(DTYPES[dtype])
+    query_start = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    return q, cache, tables, query_start, lens

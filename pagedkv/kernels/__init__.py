@@ -5,14 +5,19 @@ used when no GPU is present.
   ``copy_blocks`` (copy-on-write block copies), both one launch each;
 * :mod:`pagedkv.kernels.attention` — ``paged_decode_attention`` (PagedAttention with split-K,
   on CUDA cores or tensor cores) and ``decode_plan`` (the launch it would make);
+* :mod:`pagedkv.kernels.prefill` — ``paged_prefill_attention`` (causal attention of several new
+  tokens per sequence through the page tables, on tensor cores) and ``prefill_plan``;
 * :mod:`pagedkv.kernels.reference` — the NumPy references: gather-then-attend, the float64
-  oracle, and the kernels' algorithm in NumPy;
+  oracles, and the kernels' algorithms in NumPy;
 * :mod:`pagedkv.kernels.staircase` — chapter 9's seven steps from a plain loop to tensor cores.
 """
 from .attention import DecodePlan, choose_num_splits, decode_plan, paged_decode_attention
 from .cache_ops import copy_blocks, copy_blocks_ref, write_kv, write_kv_ref
-from .reference import dense_attention, gather_kv, paged_decode_attention_ref
+from .prefill import PrefillPlan, paged_prefill_attention, prefill_plan
+from .reference import (dense_attention, gather_kv, paged_decode_attention_ref,
+                        paged_prefill_attention_ref)
 
 __all__ = ["write_kv", "write_kv_ref", "copy_blocks", "copy_blocks_ref",
            "paged_decode_attention", "decode_plan", "DecodePlan", "paged_decode_attention_ref",
-           "gather_kv", "dense_attention", "choose_num_splits"]
+           "gather_kv", "dense_attention", "choose_num_splits", "paged_prefill_attention",
+           "prefill_plan", "PrefillPlan", "paged_prefill_attention_ref"]

@@ -130,6 +130,69 @@ def check_lengths(cache, block_tables, seq_lens):
         raise ConfigError(f"block_tables map a token to a block outside [0, {num_blocks})")
 
 
+#: Head sizes the prefill kernel is built for (its registers hold a 16-row tile of O).
+PREFILL_HEAD_DIMS = (64, 128)
+
+
+def check_prefill(q, cache, block_tables, query_start, seq_lens, out=None) -> str:
+    """Shapes and dtypes of a prefill-attention call (cheap: no data is read). Returns the
+    dtype.
+
+    ``q`` ``[total_new_tokens, q_heads, head_dim]`` (the new tokens of every sequence, one
+    after another); ``cache`` as for decode; ``block_tables`` int32 ``[batch, max_blocks]``;
+    ``query_start`` int32 ``[batch + 1]`` (sequence ``b``'s new tokens are rows
+    ``query_start[b]`` to ``query_start[b + 1] - 1`` of ``q``); ``seq_lens`` int32 ``[batch]``
+    (each sequence's length, its new tokens included).
+    """
+    kv_dtype = check_cache(cache)
+    if q.ndim != 3:
+        raise ConfigError(f"q must have shape [total_new_tokens, q_heads, head_dim], got "
+                          f"{tuple(q.shape)}")
+    if q.dtype != cache.dtype:
+        raise ConfigError(f"q has dtype {q.dtype}, the cache {cache.dtype}")
+    _, _, block_size, kv_heads, head_dim = cache.shape
+    _, q_heads, qd = q.shape
+    if qd != head_dim:
+        raise ConfigError(f"q has head_dim {qd}, the cache {head_dim}")
+    if head_dim not in PREFILL_HEAD_DIMS:
+        raise ConfigError(f"prefill attention takes head_dim {PREFILL_HEAD_DIMS}, got "
+                          f"{head_dim}")
+    if block_size not in BLOCK_SIZES:
+        raise ConfigError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    if q_heads % kv_heads or not 1 <= q_heads // kv_heads <= MAX_GROUP:
+        raise ConfigError(f"q_heads ({q_heads}) must be 1 to {MAX_GROUP} times kv_heads "
+                          f"({kv_heads})")
+    check_int32(block_tables, "block_tables", 2)
+    check_int32(query_start, "query_start", 1)
+    check_int32(seq_lens, "seq_lens", 1)
+    batch = seq_lens.shape[0]
+    if block_tables.shape[0] != batch or query_start.shape[0] != batch + 1:
+        raise ConfigError(f"seq_lens {tuple(seq_lens.shape)}, block_tables "
+                          f"{tuple(block_tables.shape)} and query_start "
+                          f"{tuple(query_start.shape)} must have batch, batch and batch + 1 "
+                          f"rows")
+    if out is not None and (tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype):
+        raise ConfigError(f"out must be {tuple(q.shape)} {q.dtype}, got "
+                          f"{tuple(out.shape)} {out.dtype}")
+    return kv_dtype
+
+
+def check_prefill_lengths(q, cache, block_tables, query_start, seq_lens):
+    """Offsets, lengths and the table entries they use, on the host (NumPy arrays; the CuPy
+    path trusts them, as reading them back would wait for the device)."""
+    starts, lens = np.asarray(query_start), np.asarray(seq_lens)
+    qlens = np.diff(starts)
+    if starts[0] != 0 or starts[-1] != q.shape[0] or np.any(qlens < 0):
+        raise ConfigError(f"query_start must rise from 0 to the {q.shape[0]} rows of q, got "
+                          f"{starts[0]} ... {starts[-1]}"
+                          + (" (it falls somewhere)" if np.any(qlens < 0) else ""))
+    if np.any(qlens > lens):
+        b = int(np.argmax(qlens > lens))
+        raise ConfigError(f"sequence {b} has {qlens[b]} new tokens but seq_len {lens[b]}: a "
+                          f"sequence's length counts its new tokens")
+    check_lengths(cache, block_tables, lens)
+
+
 def as_float(a, dtype: str) -> np.ndarray:
     """A NumPy float64 copy of an array of any supported dtype (bf16 may arrive as uint16 bits)."""
     a = backend.to_numpy(a)

@@ -35,35 +35,8 @@
 // memory (with .trans for V^T, which is V read column-wise).
 // =======================================================================================
 
-// A and B fragments from shared memory: four 8x8 matrices of 16-bit numbers; threads
-// 8j..8j+7 give the addresses of the 8 rows of matrix j, and thread t receives row t/4,
-// numbers 2(t%4) and 2(t%4)+1 of each (of each transposed matrix with .trans).
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-
-// D = A * B + D on the tensor cores, float32 accumulators.
-template <int DT> __device__ __forceinline__ void mma16816(float* d, const unsigned* a,
-                                                           unsigned b0, unsigned b1);
-template <> __device__ __forceinline__ void mma16816<1>(float* d, const unsigned* a,
-                                                        unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void mma16816<2>(float* d, const unsigned* a,
-                                                        unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// ldmatrix_x4, ldmatrix_x4_trans and mma16816 are in common.cuh (the prefill kernel
+// uses them too).
 
 // q [batch][q_heads][HEAD_DIM], cache [num_blocks][2][BLOCK_SIZE][kv_heads][HEAD_DIM]
 // (uint4 chunks), block_tables [batch][max_blocks], seq_lens [batch]; out, part_o,

@@ -1,4 +1,4 @@
-"""Decode attention in NumPy: the references every kernel is checked against.
+"""Decode and prefill attention in NumPy: the references every kernel is checked against.
 
 * :func:`gather_kv` + :func:`dense_attention` — the naive way: copy a sequence's blocks into one
   contiguous K and V, then ordinary softmax attention. Easy, but it moves every byte three times.
@@ -7,6 +7,11 @@
 * :func:`decode_numpy` — the production kernel's algorithm in float32 NumPy (a page of every
   sequence per step, an online softmax per split, the splits merged at the end): what
   :func:`~pagedkv.kernels.paged_decode_attention` runs on NumPy arrays.
+* :func:`paged_prefill_attention_ref` — the float64 reference of causal prefill attention
+  (several new tokens per sequence, each attending to the positions up to its own).
+* :func:`prefill_numpy` — the prefill kernel's algorithm in float32 NumPy (K/V tiles, an online
+  softmax, tiles above the causal diagonal never read): what
+  :func:`~pagedkv.kernels.paged_prefill_attention` runs on NumPy arrays.
 
 Only the first ``seq_len`` tokens of a sequence are ever used. The rest of its last block, and
 the pages past the end of a shorter row, hold whatever the pool held before (pools are not
@@ -20,9 +25,10 @@ import numpy as np
 
 from .. import backend
 from ..checks import cdiv
-from ._common import as_float, check_decode, check_lengths
+from ._common import as_float, check_decode, check_lengths, check_prefill, check_prefill_lengths
 
-__all__ = ["gather_kv", "dense_attention", "paged_decode_attention_ref", "decode_numpy"]
+__all__ = ["gather_kv", "dense_attention", "paged_decode_attention_ref", "decode_numpy",
+           "paged_prefill_attention_ref", "prefill_numpy"]
 
 
 def gather_kv(cache, block_table, seq_len):
@@ -122,3 +128,92 @@ def decode_numpy(q, cache, block_tables, seq_lens, scale, num_splits, kv_dtype):
     num, den = (w[..., None] * acc).sum(axis=0), (w * l).sum(axis=0)
     res = np.divide(num, den[..., None], out=np.zeros_like(num), where=den[..., None] > 0)
     return res.reshape(batch, q_heads, d)
+
+
+# --------------------------------------------------------------------------- prefill
+
+def paged_prefill_attention_ref(q, cache, block_tables, query_start, seq_lens, *, scale=None):
+    """Float64 NumPy reference of causal prefill; returns float64 ``[total_new_tokens, q_heads,
+    head_dim]``.
+
+    Sequence ``b`` brings ``n = query_start[b + 1] - query_start[b]`` new tokens at positions
+    ``seq_lens[b] - n`` to ``seq_lens[b] - 1`` (their K/V already in the cache); the token at
+    position ``p`` attends to positions ``0 .. p``, each read from slot
+    ``table[t // B] * B + t % B``. Works on NumPy or CuPy inputs (CuPy ones are copied).
+    """
+    kv_dtype = check_prefill(q, cache, block_tables, query_start, seq_lens)
+    qf, kv = as_float(q, kv_dtype), as_float(cache, kv_dtype)
+    tables, starts, lens = (backend.to_numpy(a) for a in (block_tables, query_start, seq_lens))
+    check_prefill_lengths(qf, kv, tables, starts, lens)
+    _, _, block_size, kv_heads, d = kv.shape
+    q_heads = qf.shape[1]
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    flat_k = kv[:, 0].reshape(-1, kv_heads, d)          # [num_blocks * B, kv_heads, D] by slot
+    flat_v = kv[:, 1].reshape(-1, kv_heads, d)
+    out = np.zeros(qf.shape)
+    for b in range(len(lens)):
+        first, n, length = int(starts[b]), int(starts[b + 1] - starts[b]), int(lens[b])
+        if n == 0:
+            continue
+        t = np.arange(length)
+        slots = tables[b, t // block_size].astype(np.int64) * block_size + t % block_size
+        k, v = flat_k[slots], flat_v[slots]             # [L, kv_heads, D]
+        qb = qf[first:first + n].reshape(n, kv_heads, group, d)
+        s = np.einsum("nhgd,lhd->hgnl", qb, k) * scale
+        positions = np.arange(length - n, length)       # of the new tokens
+        s = np.where(t[None, :] <= positions[:, None], s, -np.inf)
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out[first:first + n] = np.einsum("hgnl,lhd->nhgd", p, v).reshape(n, q_heads, d)
+    return out
+
+
+#: Keys per K/V tile in :func:`prefill_numpy` (the GPU kernel's default tile).
+PREFILL_KV_TILE = 64
+
+
+def prefill_numpy(q, cache, block_tables, query_start, seq_lens, scale, kv_dtype,
+                  kv_tile=PREFILL_KV_TILE):
+    """The prefill kernel's algorithm in float32 NumPy; returns float32 ``[total_new_tokens,
+    q_heads, D]``.
+
+    For each sequence, the rows are its new tokens times its query heads (grouped by kv head:
+    the kernel feeds one K/V tile to every head of a group). K and V are read through the page
+    table ``kv_tile`` positions at a time, only up to the last new token's position: a tile
+    above the causal diagonal is never read. Each tile updates an online softmax (running max
+    ``m``, sum ``l``, weighted sum ``acc``); within a tile, a key past a row's own position is
+    masked. Positions past the sequence's end are never read (they may hold junk).
+    """
+    check_prefill_lengths(q, cache, block_tables, query_start, seq_lens)
+    _, _, bs, kv_heads, d = cache.shape
+    q_heads = q.shape[1]
+    group = q_heads // kv_heads
+    out = np.zeros(q.shape, np.float32)
+    qf = as_float(q, kv_dtype).astype(np.float32) * np.float32(scale)
+    for b in range(len(seq_lens)):
+        first, n, length = int(query_start[b]), int(query_start[b + 1] - query_start[b]), \
+            int(seq_lens[b])
+        if n == 0:
+            continue
+        qb = qf[first:first + n].reshape(n, kv_heads, group, d).transpose(1, 0, 2, 3)
+        positions = np.arange(length - n, length)            # [n]
+        m = np.full((kv_heads, n, group), -np.inf, np.float32)
+        l = np.zeros_like(m)
+        acc = np.zeros((kv_heads, n, group, d), np.float32)
+        for t0 in range(0, length, kv_tile):     # up to the last new token's position
+            t = np.arange(t0, min(t0 + kv_tile, length))
+            blocks = block_tables[b, t // bs]
+            k = as_float(cache[blocks, 0, t % bs], kv_dtype).astype(np.float32)  # [T, kv_heads, D]
+            v = as_float(cache[blocks, 1, t % bs], kv_dtype).astype(np.float32)
+            s = np.einsum("hngd,thd->hngt", qb, k)
+            s = np.where(t[None, None, None, :] <= positions[None, :, None, None], s, -np.inf)
+            new_m = np.maximum(m, s.max(axis=-1))            # finite: key 0 is in every row's past
+            corr = np.exp(m - new_m)
+            p = np.exp(s - new_m[..., None])
+            l = l * corr + p.sum(axis=-1)
+            acc = acc * corr[..., None] + np.einsum("hngt,thd->hngd", p, v)
+            m = new_m
+        res = acc / l[..., None]                             # [kv_heads, n, group, D]
+        out[first:first + n] = res.transpose(1, 0, 2, 3).reshape(n, q_heads, d)
+    return out

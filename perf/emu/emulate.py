@@ -1,0 +1,216 @@
+"""Run a CUDA attention kernel's own source on the CPU (perf/emu/cuda_emu.h): a check of its
+fragment indexing, masking and page-table reads without a GPU. Slow; for small cases.
+
+    python perf/emu/emulate.py     # the decode tensor-core kernel (a check of the emulator:
+                                   # the GPU tests pass it), then the prefill kernel
+
+Each template instance is compiled once with g++ into a small program (cached in
+$PAGEDKV_EMU_DIR, default /tmp/pagedkv_emu) that reads the arrays from a file, runs every CTA
+of the grid one after another and writes the output back.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from pagedkv.kernels import prefill  # noqa: E402
+from pagedkv.kernels._common import DTYPE_CODES, dtype_name  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+CACHE = pathlib.Path(os.environ.get("PAGEDKV_EMU_DIR", "/tmp/pagedkv_emu"))
+
+MAIN = r"""
+#include <cstdio>
+#include <vector>
+int main(int argc, char** argv) {
+    FILE* f = std::fopen(argv[1], "rb");
+    int hdr[12];
+    float scale_log2;
+    if (std::fread(hdr, 4, 12, f) != 12 || std::fread(&scale_log2, 4, 1, f) != 1) return 2;
+    const int T = hdr[0], q_heads = hdr[1], D = hdr[2], num_blocks = hdr[3], BS = hdr[4],
+              kv_heads = hdr[5], batch = hdr[6], max_blocks = hdr[7], grid_x = hdr[8],
+              threads = hdr[9], smem = hdr[10];
+    std::vector<uint16_t> q((size_t)T * q_heads * D), out(q.size(), 0x7e00);
+    std::vector<uint4> cache((size_t)num_blocks * 2 * BS * kv_heads * D / 8);
+    std::vector<int> tables((size_t)batch * max_blocks), qs(batch + 1), lens(batch);
+    auto rd = [&](void* p, size_t n) { if (n && std::fread(p, 1, n, f) != n) std::exit(2); };
+    rd(q.data(), q.size() * 2); rd(cache.data(), cache.size() * 16);
+    rd(tables.data(), tables.size() * 4); rd(qs.data(), qs.size() * 4);
+    rd(lens.data(), lens.size() * 4);
+    std::fclose(f);
+    emu::gbase = (const char*)cache.data();
+    emu::gbytes = cache.size() * 16;
+    gridDim = {(unsigned)grid_x, (unsigned)kv_heads, 1u};
+    for (int y = 0; y < kv_heads; ++y)
+        for (int x = 0; x < grid_x; ++x)
+            emu::run_cta(x, y, threads, smem, [&] {
+                KERNEL((const uint4*)q.data(), cache.data(), tables.data(), qs.data(),
+                       lens.data(), out.data(), batch, kv_heads, max_blocks, scale_log2);
+            });
+    FILE* g = std::fopen(argv[2], "wb");
+    std::fwrite(out.data(), 2, out.size(), g);
+    std::fclose(g);
+    return 0;
+}
+"""
+
+
+def binary(source: str, name: str, main: str) -> pathlib.Path:
+    """The emulator program for one template instance of a kernel in ``source`` (a file of
+    pagedkv/kernels), with ``main`` as its driver (built if needed)."""
+    src = (ROOT / "pagedkv/kernels" / source).read_text()
+    decl = "extern __shared__ __align__(16) unsigned short smem[];"
+    assert decl in src
+    src = src.replace(decl, "unsigned short* smem = (unsigned short*)emu::smem;")
+    text = ('#include "cuda_emu.h"\n' + src + f"\n#define KERNEL {name}\n" + main)
+    key = hashlib.sha1((text + (HERE / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
+    exe = CACHE / f"{pathlib.Path(source).stem}_{key}"
+    if not exe.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        cpp = exe.with_suffix(".cpp")
+        cpp.write_text(text)
+        tmp = exe.with_suffix(f".{os.getpid()}")
+        subprocess.run(["g++", "-std=c++17", "-O1", "-w", f"-I{HERE}", "-o", str(tmp), str(cpp)],
+                       check=True)
+        tmp.replace(exe)                  # atomic: parallel test workers may race here
+    return exe
+
+
+def _execute(exe, arrays, out_shape):
+    """Run ``exe`` on the arrays (written one after another to a file); read uint16 back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        inp, outp = pathlib.Path(tmp) / "in", pathlib.Path(tmp) / "out"
+        with open(inp, "wb") as f:
+            for a in arrays:
+                f.write(np.ascontiguousarray(a).tobytes())
+        r = subprocess.run([str(exe), str(inp), str(outp)], capture_output=True, text=True)
+        if os.environ.get("PAGEDKV_EMU_STDERR"):
+            sys.stderr.write(r.stderr)
+        if r.returncode:
+            raise RuntimeError(f"emulator failed ({r.returncode}): {r.stderr[-2000:]}")
+        return np.fromfile(outp, np.uint16).reshape(out_shape)
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint16)
+
+
+def run_prefill(q, cache, tables, query_start, seq_lens, *, scale=None, config=None):
+    """paged_prefill_attention's GPU launch, emulated: returns out with q's dtype (rows the
+    kernel never writes stay NaN)."""
+    kv_dtype = dtype_name(cache)
+    assert kv_dtype in ("float16", "bfloat16")
+    T, q_heads, d = q.shape
+    num_blocks, _, bs, kv_heads, _ = cache.shape
+    group = q_heads // kv_heads
+    config = config or prefill.prefill_config(d)
+    nwarps, mt, kv_tile, stages = config
+    name = prefill.prefill_name(DTYPE_CODES[kv_dtype], d, group, bs, config)
+    batch = len(seq_lens)
+    grid_x = prefill.grid_ctas(T, batch, group, nwarps * mt * 16)
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    smem = prefill._smem(d, kv_tile, stages)
+    hdr = np.array([T, q_heads, d, num_blocks, bs, kv_heads, batch, tables.shape[1], grid_x,
+                    nwarps * 32, smem, 0], np.int32)
+    out = _execute(binary(prefill.PREFILL_SOURCE, name, MAIN),
+                   [hdr, np.float32(scale * 1.4426950408889634), _bits(q), _bits(cache),
+                    np.asarray(tables, np.int32), np.asarray(query_start, np.int32),
+                    np.asarray(seq_lens, np.int32)], q.shape)
+    return out.view(q.dtype) if q.dtype != np.uint16 else out
+
+
+DECODE_MAIN = r"""
+#include <cstdio>
+#include <vector>
+int main(int argc, char** argv) {
+    FILE* f = std::fopen(argv[1], "rb");
+    int hdr[8];
+    float scale_log2;
+    if (std::fread(hdr, 4, 8, f) != 8 || std::fread(&scale_log2, 4, 1, f) != 1) return 2;
+    const int batch = hdr[0], q_heads = hdr[1], D = hdr[2], num_blocks = hdr[3], BS = hdr[4],
+              kv_heads = hdr[5], max_blocks = hdr[6], smem = hdr[7];
+    std::vector<uint16_t> q((size_t)batch * q_heads * D), out(q.size(), 0x7e00);
+    std::vector<uint4> cache((size_t)num_blocks * 2 * BS * kv_heads * D / 8);
+    std::vector<int> tables((size_t)batch * max_blocks), lens(batch);
+    auto rd = [&](void* p, size_t n) { if (n && std::fread(p, 1, n, f) != n) std::exit(2); };
+    rd(q.data(), q.size() * 2); rd(cache.data(), cache.size() * 16);
+    rd(tables.data(), tables.size() * 4); rd(lens.data(), lens.size() * 4);
+    std::fclose(f);
+    emu::gbase = (const char*)cache.data();
+    emu::gbytes = cache.size() * 16;
+    gridDim = {1u, (unsigned)kv_heads, (unsigned)batch};
+    for (int b = 0; b < batch; ++b)
+        for (int y = 0; y < kv_heads; ++y)
+            emu::run_cta(0, y, 128, smem, [&] {
+                blockIdx.z = b;
+                KERNEL((const uint4*)q.data(), cache.data(), tables.data(), lens.data(),
+                       out.data(), nullptr, nullptr, kv_heads, max_blocks, max_blocks * BS,
+                       scale_log2);
+            });
+    FILE* g = std::fopen(argv[2], "wb");
+    std::fwrite(out.data(), 2, out.size(), g);
+    std::fclose(g);
+    return 0;
+}
+"""
+
+
+def run_decode_tc(q, cache, tables, seq_lens, *, scale=None):
+    """The decode tensor-core kernel (one split, its default launch), emulated: a check of
+    the emulator itself against a kernel the GPU tests have passed."""
+    from pagedkv.kernels import attention
+    kv_dtype = dtype_name(cache)
+    batch, q_heads, d = q.shape
+    num_blocks, _, bs, kv_heads, _ = cache.shape
+    nwarps, stages = attention.tensor_core_config(d)
+    assert nwarps == 4
+    name = attention.tensor_core_name(DTYPE_CODES[kv_dtype], d, q_heads // kv_heads, bs)
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    hdr = np.array([batch, q_heads, d, num_blocks, bs, kv_heads, tables.shape[1],
+                    attention._tc_smem(d, nwarps, stages)], np.int32)
+    out = _execute(binary("paged_decode_tc.cu", name, DECODE_MAIN),
+                   [hdr, np.float32(scale * 1.4426950408889634), _bits(q), _bits(cache),
+                    np.asarray(tables, np.int32), np.asarray(seq_lens, np.int32)], q.shape)
+    return out.view(q.dtype) if q.dtype != np.uint16 else out
+
+
+def main():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _attn_cases import make_case, make_prefill_case, rel_err, rng_for
+    from pagedkv.kernels.reference import (paged_decode_attention_ref,
+                                           paged_prefill_attention_ref)
+    bad = 0
+    for i, (dtype, d, g, bs) in enumerate([("float16", 128, 4, 16), ("bfloat16", 64, 3, 8)]):
+        rng = rng_for(6900 + i)
+        case = make_case(rng, [1, 17, 40], 2 * g, 2, d, bs, dtype, junk=np.nan)
+        err = rel_err(run_decode_tc(*case).astype(np.float64), paged_decode_attention_ref(*case))
+        bad += not err < 1e-2
+        print(f"the emulator on the decode tensor-core kernel ({dtype} d{d} g{g} bs{bs}): "
+              f"rel err {err:.2e}")
+    cases = [("float16", 64, 3, 16, [7, 100], [0, 30]),
+             ("bfloat16", 128, 4, 8, [1, 16, 33], [5, 0, 17])]
+    for i, (dtype, d, g, bs, qlens, prefix) in enumerate(cases):
+        rng = rng_for(7000 + i)
+        q, cache, tables, qs, lens = make_prefill_case(rng, qlens, prefix, 2 * g, 2, d, bs,
+                                                       dtype, junk=np.nan)
+        ref = paged_prefill_attention_ref(q, cache, tables, qs, lens)
+        got = run_prefill(q, cache, tables, qs, lens).astype(np.float64)
+        err = rel_err(got, ref)
+        ok = np.isfinite(got).all() and err < 1e-2
+        bad += not ok
+        print(f"{dtype} d{d} g{g} bs{bs} qlens {qlens} prefix {prefix}: rel err {err:.2e}"
+              f"{'' if ok else '  FAIL'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
