@@ -186,11 +186,10 @@ class EngineLoop:
             self._refuse_until_stopped()
 
     def _commands(self) -> list:
-        """Every command in the inbox; wait for one only when the engine is idle."""
-        try:
-            cmds = [self.inbox.get(timeout=0 if self._busy() else None)]
-        except queue.Empty:
-            cmds = []
+        """Every command in the inbox; wait for one only when the engine is idle (a busy
+        loop never blocks here: a thread that lets go of the interpreter may wait long to
+        get it back from the HTTP layer's)."""
+        cmds = [] if self._busy() else [self.inbox.get()]
         while True:
             try:
                 cmds.append(self.inbox.get_nowait())
