@@ -162,7 +162,8 @@ def drive(url: str, model: str, requests, clients: int, concurrency: int | None 
     clients = max(1, min(clients, len(requests), concurrency or len(requests)))
     order = sorted(range(len(requests)), key=lambda i: requests[i][0])
     out, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
-    procs = []
+    procs, was = [], os.environ.get("PAGEDKV_BACKEND")
+    os.environ["PAGEDKV_BACKEND"] = "numpy"     # a client needs no GPU (nor its memory)
     for k in range(clients):
         share = [(i, requests[i][0], body(model, *requests[i][1:]))
                  for i in order[k::clients]]
@@ -170,6 +171,10 @@ def drive(url: str, model: str, requests, clients: int, concurrency: int | None 
         procs.append(ctx.Process(target=_client, daemon=True,
                                  args=(url, share, slots, go, start, out)))
         procs[-1].start()
+    if was is None:
+        del os.environ["PAGEDKV_BACKEND"]
+    else:
+        os.environ["PAGEDKV_BACKEND"] = was
     ready, records = 0, []
     while len(records) < len(requests):
         try:
@@ -251,6 +256,20 @@ def _probe(url: str, model: str, vocab: int, n: int) -> dict:
     return {"n": n, "errors": s["errors"], "min": s["ttft_min_ms"], **s["ttft_ms"]}
 
 
+def _engine_counters(url: str) -> dict:
+    """The server's engine steps and the seconds its thread spent in them (/metrics)."""
+    import urllib.request
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    got = {}
+    for line in text.splitlines():
+        for key, name in (("steps", "pagedkv_engine_steps_total "),
+                          ("step_seconds", "pagedkv_engine_step_seconds_total ")):
+            if line.startswith(name):
+                got[key] = float(line.split()[1])
+    return {"steps": got.get("steps", float("nan")),
+            "step_seconds": got.get("step_seconds", float("nan"))}
+
+
 def _http(args, requests, r: dict) -> tuple:
     """The HTTP half of :func:`run`: start the server (or use ``--url``), warm it up, send
     the requests, probe; the server is stopped whatever happens. Returns (model, requests:
@@ -272,10 +291,16 @@ def _http(args, requests, r: dict) -> tuple:
     try:                       # warm-up, as bench.serve's: a few short requests first
         drive(url, model, [(0.0, [5 + i] * 20, 4) for i in range(4)], clients=1)
         bar = _progress(r["workload"]["output_tokens"], "http")
+        before = _engine_counters(url)
         records = drive(url, model, requests, args.clients, args.concurrency, bar)
         if bar is not None:
             bar.close()
         r["http"] = summarize(records)
+        after = _engine_counters(url)
+        busy = after["step_seconds"] - before["step_seconds"]
+        r["http"]["server"] = {"steps": after["steps"] - before["steps"],
+                               "step_seconds": busy,
+                               "step_share_of_wall": busy / r["http"]["wall_s"]}
         if args.spike:
             r["http"]["spike"] = spike({"stamps": [x["times"] for x in records],
                                         "due": [x["due"] for x in records]})
@@ -349,6 +374,11 @@ def table(r: dict) -> str:
     lines += [f"http: ITL between chunks; requests sent up to "
               f"{h['send_lag_ms']['max']:.1f} ms after they were due"]
     lines += [f"http error: {e}" for e in h["error_examples"]]
+    if "server" in h:
+        v = h["server"]
+        lines.append(f"http: {v['steps']:.0f} engine steps; the engine's thread spent "
+                     f"{v['step_seconds']:.2f} s in them ({100 * v['step_share_of_wall']:.0f} "
+                     f"% of the wall time)")
     lines += [f"{k}: while the long prompt is prefilled, the others' worst gap "
               f"{r[k]['spike']['worst_itl_ms']:.1f} ms, "
               f"{r[k]['spike']['worst_over_median']:.1f} x their median"

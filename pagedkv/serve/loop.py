@@ -118,7 +118,8 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict = {}                 # request id -> Job (this thread only)
         self.totals = dict(requests=0, rejected=0, cancelled=0, failed=0, prompt_tokens=0,
-                           generated_tokens=0, steps=0, failed_steps=0)
+                           generated_tokens=0, steps=0, failed_steps=0,
+                           step_seconds=0.0)
         self.dead: str | None = None         # why the engine cannot serve any more
         self.stopping = False
         self._failed_in_a_row = 0
@@ -279,6 +280,7 @@ class EngineLoop:
     # ------------------------------------------------------------ a step
     def _step(self) -> None:
         """One engine step; then each job's new text, ends and block maps."""
+        t = time.perf_counter()
         try:
             self.engine.step()
         except Exception as exc:  # noqa: BLE001 (every request in it fails; check the rest)
@@ -287,6 +289,7 @@ class EngineLoop:
         self._failed_in_a_row = 0
         self.totals["steps"] += 1
         now = time.monotonic()
+        self.totals["step_seconds"] += time.perf_counter() - t
         pools = any(j.want_pool for j in self.jobs.values()) and \
             now - self._pool_sent >= self.pool_interval
         owners = self._owners() if pools else {}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Serving through the OpenAI API on a CUDA machine without a package index, in one call:
+# the model file joined from its parts (.bigfile/part*, checked against .bigfile/sha256),
+# the server's wheels (WHEELS, default .whls: starlette, uvicorn, gguf, openai and what
+# openai needs that the machine lacks), then python -m pagedkv.bench.http on nano-vllm's
+# workload (the server and the engine in process, same requests), and the server's tests.
+# Logs and JSON under $OUT. Usage: NAME=http-h200-DATE bash perf/http_run.sh [bench flags]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-artifacts/http}; name=${NAME:-http-h200}; wheels=${WHEELS:-.whls}
+mkdir -p "$out"
+model=.bigfile/model.gguf
+if [ ! -e "$model" ]; then cat .bigfile/part* > "$model"; fi
+echo "$(cat .bigfile/sha256)  $model" | sha256sum -c - || exit 1
+if [ ! -e /tmp/site/starlette ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    "$wheels"/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PAGEDKV_GGUF=$PWD/$model PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+status=0
+if [ -z "${SKIP_BENCH:-}" ]; then
+  timeout 420 python3 -m pagedkv.bench.http --ttft-probe 10 --json "$out/$name.json" "$@" \
+    2>&1 | tee "$out/$name.log" | grep -v "it/s]$" | tail -40 || status=1
+fi
+if [ -n "${TESTS:-}" ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 \
+    | tee "$out/$name-pytest.log" | tail -15 || status=1
+fi
+exit $status
