@@ -2,6 +2,7 @@
 hand-made inputs; then a ``--quick`` run end to end on the tiny model, where the command
 starts the server itself (127.0.0.1, a free port) and stops it before it returns."""
 import asyncio
+import concurrent.futures
 import json
 import time
 
@@ -29,7 +30,10 @@ def consume(lines):
     async def source():
         for line in lines:
             yield line
-    return asyncio.run(http.consume(source(), http.blank(), lambda: next(ticks) / 10))
+    # (on a thread of its own: a browser test's driver may run an event loop on this one)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, http.consume(source(), http.blank(),
+                                                     lambda: next(ticks) / 10)).result()
 
 
 def test_sse_data_reads_data_lines_only():

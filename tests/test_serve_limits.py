@@ -7,6 +7,7 @@ server still answers and its pool is back to idle (``GET /pool``, audited).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -56,6 +57,13 @@ def _answers(server) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
     _idle(server)
+
+
+def _run(main):
+    """``asyncio.run(main())`` on a thread of its own (a browser test's driver may run an
+    event loop on this one)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(main())).result()
 
 
 def _error(r, status: int, words: str) -> dict:
@@ -136,7 +144,7 @@ def test_two_hundred_at_once(server):
                             usage = chunk.get("usage") or usage
                 return usage["completion_tokens"] == 5 + i % 20
             return await asyncio.gather(*(one(i) for i in range(200)))
-    assert all(asyncio.run(main()))
+    assert all(_run(main))
     _answers(server)
 
 
@@ -157,7 +165,7 @@ def test_a_hundred_abandoned_streams(server):
                         if line.startswith("data: {"):
                             return True          # leaving the block closes the stream
             return await asyncio.gather(*(one(i) for i in range(100)))
-    assert all(asyncio.run(main()))
+    assert all(_run(main))
     _idle(server)
     end = time.monotonic() + 10
     while _metric(server, "pagedkv_requests_cancelled_total") < before + 100:
@@ -426,3 +434,26 @@ def test_sigterm_exits_0_after_stopping_the_loop():
         assert any("shutting down" in line for line in rest), rest[-3:]
         assert s.proc.wait(20) == 0, s.log()
         assert "stopped" in s.log() and "Traceback" not in s.log()
+
+
+def test_an_engine_process_that_is_killed_makes_the_server_exit_1():
+    """The engine runs in a child process (the default): kill it and the server says
+    503 on /health, fails the open request, and exits with status 1."""
+    import psutil
+    s = ServerProcess("--model", "tiny", env=ENV, timeout=60).start()
+    try:
+        body = dict(model=MODEL, prompt="a", max_tokens=1500, temperature=0, stream=True,
+                    ignore_eos=True)
+        with httpx.stream("POST", s.base_url + "/completions", json=body,
+                          timeout=TIMEOUT) as r:
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: {"))
+            (child,) = [p for p in psutil.Process(s.proc.pid).children()
+                        if "spawn_main" in " ".join(p.cmdline())]
+            child.kill()
+            rest = list(lines)
+        assert any("the engine process ended" in line for line in rest), rest[-3:]
+        status = s.proc.wait(20)
+    finally:
+        s._kill()
+    assert status == 1, s.log()

@@ -137,8 +137,9 @@ def _field(reader, name, default=None):
     return default if f is None else f.contents()
 
 
-def load_gguf(path=None, *, check: bool = True) -> Checkpoint:
-    """Read the model: hyperparameters, dequantized float32 weights and the vocabulary."""
+def load_gguf(path=None, *, check: bool = True, weights: bool = True) -> Checkpoint:
+    """Read the model: hyperparameters, dequantized float32 weights and the vocabulary
+    (``weights=False``: no weights, for a process that only tokenizes)."""
     import gguf  # imported here: only loading the real model needs it
 
     path = model_path(path)
@@ -157,9 +158,10 @@ def load_gguf(path=None, *, check: bool = True) -> Checkpoint:
         norm_eps=float(a("attention.layer_norm_rms_epsilon")),
         context=int(a("context_length")))
     raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-           for t in r.tensors}                           # [out, in], as stored
-    w = {"embed": raw["token_embd.weight"], "norm": raw["output_norm.weight"]}
-    for i in range(config.layers):
+           for t in (r.tensors if weights else ())}      # [out, in], as stored
+    w = {"embed": raw["token_embd.weight"], "norm": raw["output_norm.weight"]} if weights \
+        else {}
+    for i in range(config.layers if weights else 0):
         g = lambda name: raw[f"blk.{i}.{name}.weight"]   # noqa: E731
         w[f"{i}.attn_norm"], w[f"{i}.mlp_norm"] = g("attn_norm"), g("ffn_norm")
         w[f"{i}.wq"] = np.ascontiguousarray(unpermute(g("attn_q"), config.heads).T)

@@ -12,16 +12,12 @@ import argparse
 import logging
 import os
 import sys
-import time
 
-from ..checks import cdiv
 from ..errors import PagedKVError
 
 log = logging.getLogger("pagedkv.serve")
 
-#: Blocks of the default pool on a GPU: this many tokens for each of ``--max-seqs``
-#: sequences, at most half of the device's free memory.
-GPU_TOKENS_PER_SEQ = 2048
+from .start import GPU_TOKENS_PER_SEQ
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,6 +51,10 @@ def parser() -> argparse.ArgumentParser:
                    help="auto (default): fast on a GPU, plain on a CPU; plain: chapter 10's "
                         "forward pass; fast: fused kernels, static buffers and CUDA graphs "
                         "on a GPU (chapter 14), on pagedkv.fast's bookkeeping")
+    p.add_argument("--engine", default="process", choices=["process", "thread"],
+                   help="where the engine runs: a process of its own (default: the HTTP "
+                        "layer never waits for it) or a thread of the server's (chapter "
+                        "13's loop, as it teaches it)")
     p.add_argument("--audit", action="store_true",
                    help="check the pool's invariants after every engine step and in "
                         "GET /pool")
@@ -88,73 +88,34 @@ def _check(args) -> str | None:
     return None
 
 
-def sizes(args, model) -> tuple[int, int, str]:
-    """(blocks, max_seqs, runner) for the machine: the flags where given, else defaults."""
-    from .. import backend
-    gpu = backend.on_gpu
-    runner = args.runner if args.runner != "auto" else ("fast" if gpu else "plain")
-    max_seqs = args.max_seqs or (256 if gpu else 32)
-    blocks = args.num_blocks
-    if not blocks:
-        blocks = 256
-        if gpu:
-            block_bytes = model.kv_spec().token_bytes * args.block_size
-            free = backend.xp.cuda.Device().mem_info[0]
-            want = max_seqs * cdiv(GPU_TOKENS_PER_SEQ, args.block_size)
-            blocks = max(256, min(want, free // 2 // block_bytes))
-    return blocks, max_seqs, runner
-
-
 def build(args):
-    """The model, the engine and its started loop, the application."""
-    from ..model.blas import single_thread_blas
-    from ..model.generate import Engine
+    """The tokenizer's side of the model, the started engine loop, the application."""
     from .app import create_app
+    from .engine_process import EngineProcess
     from .limits import Limits
     from .loop import EngineLoop
     from .models import load
+    from .start import engine_options, make_engine
 
-    single_thread_blas()
-    served = load(args.model, args.gguf)
-    blocks, max_seqs, runner = sizes(args, served.model)
-    engine = Engine(served.model, num_blocks=blocks, block_size=args.block_size,
-                    max_seqs=max_seqs, stop_ids=[served.tokenizer.eos_id],
-                    prefix_caching=args.prefix_caching, audit=args.audit, runner=runner,
-                    bookkeeping="fast" if runner == "fast" else "teaching",
-                    token_budget=args.token_budget or None,
-                    chunked_prefill=not args.no_chunked_prefill)
-    capture = getattr(engine.runner, "capture_all", None)
-    if capture is not None:
-        t = time.perf_counter()
-        n = capture()
-        if n:
-            log.info("captured %d CUDA graphs (batch buckets up to %d) in %.1f s", n,
-                     max_seqs, time.perf_counter() - t)
-    _inject_failures(engine)
-    loop = EngineLoop(engine, served.tokenizer, max_waiting=args.max_waiting).start()
+    options = engine_options(args)
+    if args.engine == "thread":
+        engine, info = make_engine(options)
+        served = load(args.model, args.gguf, model=False)
+        loop = EngineLoop(engine, served.tokenizer, max_waiting=args.max_waiting).start()
+    else:
+        served = load(args.model, args.gguf, model=False)
+        loop = EngineProcess(make_engine, options, served.tokenizer,
+                             max_waiting=args.max_waiting,
+                             log_level=args.log_level.upper()).start()
+        info = loop.info
     limits = Limits(max_body=args.max_body, read_timeout=args.read_timeout,
                     max_connections=args.max_connections, host=args.host,
                     allow_origins=frozenset(args.allow_origin))
     log.info("%s on %d blocks of %d tokens, %s runner, up to %d sequences, token budget "
-             "%s%s", served.name, blocks, args.block_size, runner, max_seqs,
-             args.token_budget or "none", ", prefix caching" if args.prefix_caching else "")
+             "%s%s; the engine in a %s", served.name, info["blocks"], args.block_size,
+             info["runner"], info["max_seqs"], args.token_budget or "none",
+             ", prefix caching" if args.prefix_caching else "", args.engine)
     return served, loop, create_app(loop, served, limits, audit=args.audit), limits
-
-
-def _inject_failures(engine) -> None:
-    """For the tests of a failing engine: ``PAGEDKV_SERVE_FAIL_STEPS="5,6"`` makes the
-    engine's 5th and 6th steps raise."""
-    wanted = os.environ.get("PAGEDKV_SERVE_FAIL_STEPS")
-    if not wanted:
-        return
-    fail, step, count = {int(s) for s in wanted.split(",")}, engine.step, [0]
-
-    def failing():
-        count[0] += 1
-        if count[0] in fail:
-            raise RuntimeError(f"a failure injected at step {count[0]}")
-        step()
-    engine.step = failing
 
 
 def main(argv=None) -> int:
@@ -168,8 +129,8 @@ def main(argv=None) -> int:
     from .limits import protocol_class, raise_open_files_limit
     try:
         served, loop, app, limits = build(args)
-    except PagedKVError as exc:      # a missing model file names the set-up command
-        print(f"error: {exc}", file=sys.stderr)
+    except (PagedKVError, RuntimeError) as exc:   # a missing model file names the set-up
+        print(f"error: {exc}", file=sys.stderr)    # command; a failed engine says why
         return 1
     files = raise_open_files_limit()
     if files < args.max_connections + 64:

@@ -27,7 +27,7 @@ from starlette.staticfiles import StaticFiles
 
 from . import metrics
 from .limits import Guard, Limits, read_body
-from .loop import Job, pool_counts, pool_map
+from .loop import Job
 from .protocol import ApiError, Ids, parse_body, parse_chat, parse_completion
 
 __all__ = ["create_app", "Mailbox", "coalesce"]
@@ -262,20 +262,6 @@ def create_app(loop, served, limits: Limits | None = None, *, audit: bool = Fals
                 "the engine loop is not running", status=503, kind="server_error"))
         return JSONResponse({"status": "ok"})
 
-    def look(engine):
-        """The pool now (and its audit, with ``audit``): on the engine's thread."""
-        m = engine.manager
-        answer = "not run (start the server with --audit)"
-        if audit:
-            try:
-                m.audit()
-                answer = "ok"
-            except Exception as exc:  # noqa: BLE001 (reported, not raised)
-                answer = f"{type(exc).__name__}: {exc}"
-        return dict(blocks=pool_map(m, {}), audit=answer, **pool_counts(m),
-                    block_size=engine.block_size, running=len(engine.running),
-                    waiting=len(engine.waiting), sequences=len(m.seq_ids))
-
     last_look = {"at": -1e9, "answer": None}
 
     async def pool(request):
@@ -283,7 +269,7 @@ def create_app(loop, served, limits: Limits | None = None, *, audit: bool = Fals
         however many clients ask (every other caller gets the same answer)."""
         now = time.monotonic()
         if last_look["answer"] is None or now - last_look["at"] > POOL_MAX_AGE:
-            last_look.update(at=now, answer=asyncio.wrap_future(loop.call(look)))
+            last_look.update(at=now, answer=asyncio.wrap_future(loop.pool(audit)))
         try:
             answer = await asyncio.wait_for(asyncio.shield(last_look["answer"]),
                                             ANSWER_TIMEOUT)

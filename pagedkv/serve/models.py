@@ -112,25 +112,29 @@ TINY_CONFIG = None  # built on first use (importing the model package costs time
 class Served:
     """A model with its tokenizer, under the name clients ask for."""
     name: str
-    model: object          # a pagedkv.model.Llama
+    model: object          # a pagedkv.model.Llama (None: the tokenizer only)
     tokenizer: object      # encode(text), decode(ids), eos_id
     context: int
+    vocab_size: int
 
 
-def load(which: str = "smollm2", gguf: str | None = None) -> Served:
+def load(which: str = "smollm2", gguf: str | None = None, *, model: bool = True) -> Served:
     """``"smollm2"``: the GGUF file (``gguf``, else ``$PAGEDKV_GGUF``, else the installed
-    one); ``"tiny"``: the tiny random Llama. Raises :class:`ConfigError` for another name
-    (and :class:`~pagedkv.model.ModelNotFound` when the file is missing)."""
+    one); ``"tiny"``: the tiny random Llama. ``model=False`` reads the tokenizer and the
+    sizes only (for a process that does not run the model). Raises :class:`ConfigError`
+    for another name (and :class:`~pagedkv.model.ModelNotFound` when the file is
+    missing)."""
     global TINY_CONFIG
     import numpy as np
     from ..model import Llama, Tokenizer, load_gguf, random_weights
     if which == "tiny":
-        TINY_CONFIG = TINY_CONFIG or _tiny_config()
-        model = Llama(TINY_CONFIG, random_weights(TINY_CONFIG, TINY_SEED), xp=np)
-        return Served("tiny-random-llama", model, ByteTokenizer(), TINY_CONFIG.context)
+        c = TINY_CONFIG = TINY_CONFIG or _tiny_config()
+        llama = Llama(c, random_weights(c, TINY_SEED), xp=np) if model else None
+        return Served("tiny-random-llama", llama, ByteTokenizer(), c.context, c.vocab_size)
     if which != "smollm2":
         raise ConfigError(f"--model must be 'smollm2' or 'tiny', got {which!r}")
-    ckpt = load_gguf(gguf)
+    ckpt = load_gguf(gguf, weights=model)
     tok = Tokenizer.from_checkpoint(ckpt)
-    model = Llama(ckpt.config, ckpt.weights)
-    return Served("SmolLM2-135M-Instruct", model, tok, ckpt.config.context)
+    llama = Llama(ckpt.config, ckpt.weights) if model else None
+    return Served("SmolLM2-135M-Instruct", llama, tok, ckpt.config.context,
+                  ckpt.config.vocab_size)

@@ -182,7 +182,7 @@ def parse_completion(body, served) -> Spec:
     if isinstance(prompt, str):
         ids = served.tokenizer.encode(text(prompt, "prompt"))
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        vocab = served.model.config.vocab_size
+        vocab = served.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ApiError(f"prompt token ids must lie in [0, {vocab})", "prompt")
         ids = prompt
