@@ -9,20 +9,23 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-artifacts/http}; name=${NAME:-http-h200}; wheels=${WHEELS:-.whls}
 mkdir -p "$out"
-model=.bigfile/model.gguf
-if [ ! -e "$model" ]; then cat .bigfile/part* > "$model"; fi
+# The model file is larger than one call carries: an earlier call copies .bigfile/part00
+# to /tmp/model.part00 (the machine keeps /tmp while it stays warm), this one brings part01.
+model=/tmp/model.gguf
+if [ ! -e "$model" ]; then cat /tmp/model.part00 .bigfile/part01 > "$model"; fi
 echo "$(cat .bigfile/sha256)  $model" | sha256sum -c - || exit 1
 if [ ! -e /tmp/site/starlette ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     "$wheels"/*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD PAGEDKV_GGUF=$PWD/$model PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PAGEDKV_GGUF=$model PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
-if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout 420 python3 -m pagedkv.bench.http --ttft-probe 10 --json "$out/$name.json" "$@" \
-    2>&1 | tee "$out/$name.log" | grep -v "it/s]$" | tail -40 || status=1
-fi
+for budget in ${BUDGETS:-2048}; do      # one run a token budget (server and engine alike)
+  timeout 300 python3 -m pagedkv.bench.http --ttft-probe 10 --token-budget "$budget" \
+    --json "$out/$name-b$budget.json" "$@" 2>&1 | tee "$out/$name-b$budget.log" \
+    | grep -v "it/s]$" | tail -32 || status=1
+done
 if [ -n "${TESTS:-}" ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 \
     | tee "$out/$name-pytest.log" | tail -15 || status=1
