@@ -46,7 +46,7 @@ def make_engine(options: dict):
     if not blocks:
         blocks = 256
         if gpu:
-            block_bytes = served.model.kv_spec().token_bytes * o["block_size"]
+            block_bytes = served.model.kv_spec().block_bytes(o["block_size"])
             free = backend.xp.cuda.Device().mem_info[0]
             want = max_seqs * cdiv(GPU_TOKENS_PER_SEQ, o["block_size"])
             blocks = max(256, min(want, free // 2 // block_bytes))
