@@ -1,12 +1,13 @@
 """Chapter 13 (serving it): how much of a streamed answer is safe to send while stop
-strings may still appear, and reading a server-sent event stream back."""
+strings may still appear, reading a server-sent event stream back, and the text of one
+more token with nothing but the tokenizer's ``decode``."""
 from __future__ import annotations
 
 import itertools
 import json
 import random
 
-__all__ = ["safe_length", "read_sse"]
+__all__ = ["safe_length", "read_sse", "OffsetDecoder"]
 
 
 # ------------------------------------------------------------------ stop strings
@@ -155,8 +156,110 @@ def _sse_past_done(chunks):
             if e.startswith("data: ") and e != "data: [DONE]"]
 
 
+# ------------------------------------------------------------------ one token's text
+class OffsetDecoder:
+    """The text each new token adds, from ``tokenizer.decode`` of a few recent ids only.
+    ``prefix`` marks the ids whose text was already sent in full, ``read`` the end of
+    those sent: the text of ``ids[prefix:]`` beyond that of ``ids[prefix:read]`` is new,
+    unless it ends in an unfinished character (U+FFFD), which waits for the next token.
+    The window starts again after every piece sent, so each step decodes a handful of
+    ids, however long the answer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def step(self, token: int) -> str:
+        self.ids.append(int(token))
+        sent = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) > len(sent) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(sent):]
+        return ""
+
+
+CORPUS = ["Héllo wörld, ça va? ", "你好，世界！", "naïve café 🙂 ", "Ünïcödé ½ ",
+          "The cat sat on the mat. ", "😀🚀 ok", "Ωmega ∑ ∞ → ∂ "]
+
+
+def _byte_level_tokenizer():
+    """A small byte-level BPE trained here: with every byte its own token and merges on
+    top, a character of two or more bytes is often split between tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    return tok
+
+
+class _Counting:
+    """A tokenizer whose ``decode`` remembers the longest list of ids it was given."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def decode(self, ids):
+        self.longest = max(self.longest, len(ids))
+        return self.tok.decode(list(ids))
+
+
+def check_OffsetDecoder(impl=OffsetDecoder, seed=1313, trials=200):
+    """The oracle is decoding the whole answer: on answers made of random pieces of
+    text, the pieces joined are the whole text, every prefix of them is a prefix of it
+    without an unfinished character, and no call decodes more than 16 ids."""
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    tok = _byte_level_tokenizer()
+    for _ in range(trials):
+        text = "".join(rng.choice(CORPUS)[rng.randrange(3):] for _ in range(rng.randrange(
+            1, 6)))
+        ids = tok.encode(text).ids
+        whole = tok.decode(ids)
+        counting = _Counting(tok)
+        decoder, out = impl(counting), ""
+        for t in ids:
+            out += decoder.step(t)
+            assert whole.startswith(out) and "\ufffd" not in out, (text, out)
+        assert out == whole, (text, out, whole)
+        assert counting.longest <= 16, f"decoded {counting.longest} ids at once"
+    return {"seed": seed, "answers": trials}
+
+
+class _DecodeEachToken(OffsetDecoder):
+    """Each token decoded alone: a character split between two tokens comes out as two
+    replacement characters."""
+
+    def step(self, token):
+        return self.tokenizer.decode([int(token)])
+
+
+class _WholeAnswer(OffsetDecoder):
+    """Right text, but the whole answer decoded at every step: O(length) a token."""
+
+    def step(self, token):
+        before = self.tokenizer.decode(self.ids)
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids)
+        return text[len(before):] if not text.endswith("\ufffd") else ""
+
+
+class _NoHolding(OffsetDecoder):
+    """Sends text that ends in an unfinished character."""
+
+    def step(self, token):
+        self.ids.append(int(token))
+        sent = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(sent):]
+
+
 WRONG = {
     "safe_length": [_safe_hold_longest_minus_one, _safe_whole_stops_only,
                     _safe_last_tail_only],
     "read_sse": [_sse_split_on_lines, _sse_past_done],
+    "OffsetDecoder": [_DecodeEachToken, _WholeAnswer, _NoHolding],
 }
