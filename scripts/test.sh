@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test: the package's pytest tests, the exercises' solutions and nbval over every
-# notebook in book/ (one pytest run), then the serving benchmark's --quick run, the book build (if a source changed since the
+# notebook in book/ (one pytest run), then the serving benchmarks' --quick runs (in process
+# and through HTTP), the book build (if a source changed since the
 # last one), the browser test of each built page, and every notebook run in JupyterLab in
 # the same browser. All steps run even if one fails; the exit code is non-zero if any did.
 set -uo pipefail
@@ -27,6 +28,9 @@ step "package tests + nbval" python -m pytest tests/ book/ \
     --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 # the serving benchmark at CPU size: its numbers are printed for the log, not asserted
 step "serving benchmark (--quick)" python -m pagedkv.bench.serve --quick --no-peer
+# the same through the OpenAI API: the tiny model's server, then its engine in process
+step "HTTP serving benchmark (--quick)" python -m pagedkv.bench.http --quick --model tiny \
+    --ttft-probe 3
 if step "book build" bash scripts/build_book.sh --if-stale; then
     step "browser test" python -m pytest tests/test_book_browser.py
 else
