@@ -2,12 +2,16 @@
 
     python -m pagedkv.serve [--host 127.0.0.1] [--port 8000] [--num-blocks N] [--prefix-caching]
 
-Three parts, as in the peers' front doors (vLLM's and transformers' servers):
+Its parts, as in the peers' front doors (vLLM's and transformers' servers):
 
-* :mod:`~pagedkv.serve.loop`: one thread owns the engine; requests and cancellations reach
-  it through a queue, and it steps the engine and sends each request's new text back;
-* :mod:`~pagedkv.serve.protocol` and :mod:`~pagedkv.serve.app`: the HTTP layer, which only
-  translates OpenAI's bodies into jobs and the loop's events into chunks;
+* :mod:`~pagedkv.serve.loop`: one loop owns the engine; requests and cancellations reach it
+  through a queue, and it steps the engine and sends each request's new text back. Its two
+  halves, :class:`~.loop.EngineCore` (the engine, token ids) and :class:`~.loop.Texts`
+  (text, stop strings, events), run on one thread, or, by default, with the core in a
+  process of its own (:mod:`~pagedkv.serve.engine_process`);
+* :mod:`~pagedkv.serve.protocol`, :mod:`~pagedkv.serve.app` and :mod:`~pagedkv.serve.limits`:
+  the HTTP layer, which checks and bounds what comes in, and only translates OpenAI's bodies
+  into jobs and the loop's events into chunks;
 * ``static/``: the chat page at ``/``, served from the package (no CDN).
 
 The stack is Starlette on uvicorn. Starlette is the small ASGI toolkit FastAPI is built on:
@@ -17,9 +21,10 @@ message (FastAPI would answer 422 in its own format unless overridden). uvicorn 
 ASGI server both are documented with; it handles Ctrl-C as a graceful shutdown. Both are
 well kept (Encode's projects, releases every few weeks).
 """
-from .loop import EngineLoop, Job
+from .engine_process import EngineProcess
+from .loop import EngineCore, EngineLoop, Job, Texts
 
-__all__ = ["EngineLoop", "Job", "main"]
+__all__ = ["EngineLoop", "EngineProcess", "EngineCore", "Texts", "Job", "main"]
 
 
 def main(argv=None) -> int:
