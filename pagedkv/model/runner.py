@@ -12,9 +12,9 @@ part that touches the model's arrays and the paged K/V. Two runners, one interfa
   cuBLAS (:mod:`pagedkv.kernels.gemm`), the residual adds folded into the multiplies, every
   array allocated once at the largest batch, the step's small inputs uploaded in one copy, the
   greedy choice made on the device, and — on a GPU — each batch size (padded up to a *bucket*:
-  1, 2, 4, 8, 16, 24, ...) captured once as a CUDA graph and replayed. A prefill goes through
-  the same pass, a row for every new token (:meth:`FastRunner.prefill`); copy-on-write copies
-  stay on the plain path. On NumPy it runs the kernels' references, with the same buffers and
+  1, 2, 4, 8, 16, 24, ...) captured once as a CUDA graph and replayed. A prefill runs the same
+  layers eagerly, every new token a row, with the paged prefill kernel for the attention
+  (:meth:`FastRunner.prefill`); copy-on-write copies stay on the plain path. On NumPy it runs the kernels' references, with the same buffers and
   order, so the CPU tests exercise the same code.
 
 Both return, for a batch, float32 logits of each sequence's last token (on the device) and,
@@ -29,6 +29,7 @@ import numpy as np
 from ..checks import cdiv, positive_int
 from ..errors import ConfigError
 from ..kernels import decode_plan, paged_decode_attention
+from ..kernels.prefill import paged_prefill_attention
 from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mul
 from ..kernels.gemm import gemm
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward
@@ -82,11 +83,12 @@ class _Views(NamedTuple):
     greedy: object     # int32 [b]
     plan: object       # the attention's launch for this bucket (GPU), or None
     scratch: object    # its split results (GPU), or None
+    query_start: object = None   # a prefill's: where each sequence's rows begin
 
 
 class FastRunner(ModelRunner):
     """Decode steps through fused kernels, static buffers and (on a GPU) one CUDA graph per
-    bucket; prefills through the same pass, a row per new token.
+    bucket; prefills through the same layers, eagerly, with the paged prefill kernel.
 
     ``max_batch`` sequences decode at most at once; a page table holds ``max_context`` tokens
     (default: the model's context). ``graphs`` (default: on a GPU) replays captured graphs;
@@ -132,6 +134,7 @@ class FastRunner(ModelRunner):
                         for layer in model.layers]
         self._views: dict[int, _Views] = {}
         self._graphs: dict[int, object] = {}
+        self._prefill_full: dict = {}
         self.stream = xp.cuda.Stream(non_blocking=True) if self.on_gpu else None
         self.steps = 0
 
@@ -182,6 +185,15 @@ class FastRunner(ModelRunner):
     # ------------------------------------------------------------------ one decode pass
     def _pass(self, v: _Views) -> None:
         """The decode step's arithmetic into bucket ``v``'s buffers: what a graph captures."""
+        self._layers(v, self._attend)
+        m, g = self.model, self.gemm_method
+        rms_norm(v.x, m.norm, m.config.norm_eps, out=v.h)
+        gemm(v.h, m.embedding, v.logits, transpose_b=True, method=g)                # the output head
+        argmax_rows(v.logits, out=v.greedy)
+
+    def _layers(self, v: _Views, attend) -> None:
+        """Every layer over the rows of ``v``: the residual stream ``v.x`` from the token
+        embeddings to the last layer's output; ``attend(v, layer)`` fills ``v.attn``."""
         m, kv, c = self.model, self.kv, self.model.config
         eps, b, g = c.norm_eps, v.x.shape[0], self.gemm_method
         embed(v.tokens, m.embedding, out=v.x)
@@ -191,15 +203,12 @@ class FastRunner(ModelRunner):
             gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
             rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q, kv.layers[i],
                           c.heads, c.kv_heads)
-            self._attend(v, i)
+            attend(v, i)
             gemm(v.attn.reshape(b, -1), wo, v.x, accumulate=True, transpose_b=True, method=g)  # x += o
             rms_norm(v.x, layer.mlp_norm, eps, out=v.h)
             gemm(v.h, w_gate_up, v.gate_up, transpose_b=True, method=g)
             silu_mul(v.gate_up, out=v.act)
             gemm(v.act, w_down, v.x, accumulate=True, transpose_b=True, method=g)   # x += mlp(x)
-        rms_norm(v.x, m.norm, eps, out=v.h)
-        gemm(v.h, m.embedding, v.logits, transpose_b=True, method=g)                # the output head
-        argmax_rows(v.logits, out=v.greedy)
 
     def _attend(self, v: _Views, i: int) -> None:
         cache = self.kv.layers[i]
@@ -212,28 +221,52 @@ class FastRunner(ModelRunner):
 
     # ------------------------------------------------------------------ the interface
     def prefill(self, batch: Batch):
-        """A prefill through the decode pass: every new token is a row of its own, at its
-        position, with its sequence's page table and a length of position + 1. The decode
-        kernel's attention over a row's first position + 1 tokens is then exactly causal
-        attention. Rows go ``max_batch`` at a time (on a GPU through the graph of their
-        bucket), each slice writing its K/V before the next reads them. Returns the logits
-        of each sequence's last new token; no greedy tokens."""
-        xp, n = self.model.xp, len(batch.tokens)
-        rows = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
-        last = np.cumsum(batch.query_lens) - 1                  # each sequence's last token
-        tables, positions = batch.block_tables[rows], batch.positions
+        """A prefill pass: every new token of every sequence a row, through the same fused
+        kernels as a decode step, and attention by the paged prefill kernel
+        (:func:`~pagedkv.kernels.prefill.paged_prefill_attention`: causal, a chunk starting
+        wherever its sequence's cache ends). It runs eagerly on the default stream (its
+        row count changes from step to step), into buffers kept for the largest pass so
+        far. Returns the logits of each sequence's last new token; no greedy tokens."""
+        xp, c = self.model.xp, self.model.config
+        n, b = len(batch.tokens), len(batch.query_lens)
+        if batch.block_tables.shape[1] > self.width:
+            raise ConfigError(f"a page table of {batch.block_tables.shape[1]} blocks is "
+                              f"wider than max_context allows ({self.width} blocks)")
+        starts = np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int32)
+        meta = xp.asarray(np.concatenate([batch.tokens, batch.positions, batch.slots,
+                                          batch.seq_lens, starts]).astype(np.int32))
+        full = self._prefill_buffers(n)
+        v = _Views(meta[:n], meta[n:2 * n], meta[2 * n:3 * n], meta[3 * n:3 * n + b],
+                   xp.asarray(np.ascontiguousarray(batch.block_tables, dtype=np.int32)),
+                   plan=None, scratch=None, logits=None, greedy=None,
+                   query_start=meta[3 * n + b:], **{k: a[:n] for k, a in full.items()})
         self.kv.copy(batch.copies)
-        out, none = [], np.zeros((0, 2), np.int32)
-        for a in range(0, n, self.max_batch):
-            cut = slice(a, a + self.max_batch)
-            logits, _ = self.decode(Batch(
-                tokens=batch.tokens[cut], positions=positions[cut], slots=batch.slots[cut],
-                query_lens=np.ones(len(positions[cut]), np.int32),
-                seq_lens=(positions[cut] + 1).astype(np.int32), block_tables=tables[cut],
-                copies=none))
-            mine = last[(last >= a) & (last < a + self.max_batch)] - a
-            out.append(logits[xp.asarray(mine)])              # (a copy: fancy indexing)
-        return xp.concatenate(out), None
+        self._layers(v, self._attend_prefill)
+        last = xp.asarray(starts[1:] - 1)
+        h = rms_norm(v.x[last], self.model.norm, c.norm_eps)
+        logits = xp.empty((b, c.vocab_size), np.float32)
+        gemm(h, self.model.embedding, logits, transpose_b=True, method=self.gemm_method)
+        return logits, None
+
+    def _attend_prefill(self, v: _Views, i: int) -> None:
+        paged_prefill_attention(v.q, self.kv.layers[i], v.tables, v.query_start,
+                                v.seq_lens, scale=self.model.scale, out=v.attn)
+
+    def _prefill_buffers(self, n: int) -> dict:
+        """The per-row arrays of a prefill pass, at least ``n`` rows (grown by doubling,
+        then kept: the next pass of that size allocates nothing)."""
+        have = self._prefill_full["x"].shape[0] if self._prefill_full else 0
+        if have < n:
+            c, xp, dt = self.model.config, self.model.xp, self.model.dtype
+            rows = max(n, 2 * have, 256)
+            nq, nk = c.heads * c.head_dim, c.kv_heads * c.head_dim
+            self._prefill_full = dict(
+                x=xp.zeros((rows, c.hidden), dt), h=xp.zeros((rows, c.hidden), dt),
+                qkv=xp.zeros((rows, nq + 2 * nk), dt),
+                q=xp.zeros((rows, c.heads, c.head_dim), dt),
+                attn=xp.zeros((rows, c.heads, c.head_dim), dt),
+                gate_up=xp.zeros((rows, 2 * c.ffn), dt), act=xp.zeros((rows, c.ffn), dt))
+        return self._prefill_full
 
     def decode(self, batch: Batch):
         """One decode step: copy-on-write copies, then the pass (replayed from its graph on a

@@ -52,6 +52,7 @@ def make_engine(options: dict):
             blocks = max(256, min(want, free // 2 // block_bytes))
     engine = Engine(served.model, num_blocks=blocks, max_seqs=max_seqs, runner=runner,
                     stop_ids=[served.tokenizer.eos_id],
+                    prefill_chunk=o["token_budget"] or 2048,   # one pass a step's prefill
                     bookkeeping="fast" if runner == "fast" else "teaching", **o)
     info = dict(blocks=blocks, max_seqs=max_seqs, runner=runner, graphs=0)
     capture = getattr(engine.runner, "capture_all", None)
