@@ -158,11 +158,11 @@ def _sse_past_done(chunks):
 
 # ------------------------------------------------------------------ one token's text
 class OffsetDecoder:
-    """The text each new token adds, from ``tokenizer.decode`` of a few recent ids only.
-    ``prefix`` marks the ids whose text was already sent in full, ``read`` the end of
-    those sent: the text of ``ids[prefix:]`` beyond that of ``ids[prefix:read]`` is new,
-    unless it ends in an unfinished character (U+FFFD), which waits for the next token.
-    The window starts again after every piece sent, so each step decodes a handful of
+    """The text each new token adds, from ``tokenizer.decode`` of a few recent ids.
+    ``prefix`` marks the ids whose text was sent in full, ``read`` the end of those
+    sent: the text of ``ids[prefix:]`` beyond that of ``ids[prefix:read]`` is new,
+    unless it ends in an unfinished character (U+FFFD), which waits for more. The
+    window starts again after every piece sent, so each step decodes a handful of
     ids, however long the answer."""
 
     def __init__(self, tokenizer):

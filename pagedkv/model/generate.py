@@ -517,12 +517,12 @@ class Engine(Scheduling):
 
     # ------------------------------------------------------------------ cancelling
     def cancel(self, req: Request) -> bool:
-        """Take ``req`` out of whichever queue holds it (waiting, running or swapped) and
-        free its sequences' blocks (a swapped-out request's host blocks too). Its live
-        sequences move to ``req.finished`` with the tokens they have; it does not join
-        ``finished``. Returns False, changing nothing, if it had already finished; raises
-        :class:`ConfigError` for a request this engine does not hold. All or nothing: every
-        block is checked to be held before any is freed."""
+        """Take ``req`` out of whichever queue holds it (waiting, running or swapped)
+        and free its sequences' blocks (a swapped-out request's host blocks too). Its
+        live sequences move to ``req.finished`` with the tokens they have; it does not
+        join ``finished``. Returns False, changing nothing, if it had already finished;
+        raises :class:`ConfigError` for a request this engine does not hold. All or
+        nothing: every block is checked to be held before any is freed."""
         if any(r is req for r in self.finished):
             return False
         queue = next((q for q in (self.waiting, self.running, self.swapped)

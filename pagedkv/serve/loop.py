@@ -292,7 +292,8 @@ class Texts:
         for seq_id, tokens, ended in updates:
             ch = job.choices.get(seq_id)
             if ch is None:
-                ch = job.choices[seq_id] = Choice(len(job.choices), self.tokenizer.decoder())
+                ch = Choice(len(job.choices), self.tokenizer.decoder())
+                job.choices[seq_id] = ch
             if ch.finish_reason:
                 continue                        # cut by a stop string: the rest is unread
             ch.tokens += len(tokens)
