@@ -7,16 +7,12 @@
 //  * A kernel is one function that many threads run at once. Threads come in warps of 32
 //     that
 //    execute one instruction together, and warps in thread blocks ("CTAs") that share a
-//    small,
-//    fast on-chip memory, `__shared__` memory. The grid of CTAs covers the whole problem;
-//    each
-//    thread finds its piece from threadIdx (its place in the CTA) and blockIdx (the CTA's
-//    place
-//    in the grid).
+//    small, fast on-chip memory, `__shared__` memory. The grid of CTAs covers the whole
+//    problem; each thread finds its piece from threadIdx (its place in the CTA) and
+//    blockIdx (the CTA's place in the grid).
 //  * Global memory (the GPU's HBM) is large and slow to answer: a few hundred nanoseconds
 //    between asking and getting. It is fast only when the 32 threads of a warp ask for
-//    one
-//    contiguous stretch together, ideally 16 bytes per thread (a `uint4`).
+//    one contiguous stretch together, ideally 16 bytes per thread (a `uint4`).
 //  * K and V are stored as DT = 0 float32, 1 float16, 2 bfloat16; all arithmetic is
 //     float32.
 // =======================================================================================

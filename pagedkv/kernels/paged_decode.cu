@@ -2,8 +2,8 @@
 // Step 6 of the chapter, the production kernel on CUDA cores (common.cuh comes first).
 //  * One CTA handles one (sequence b, kv head h, split) triple: blockIdx.z = b,
 //    blockIdx.y = h, blockIdx.x = split. All GROUP query heads that share kv head h are
-//    handled
-//    by the same CTA, so every K/V byte is read from memory once and used GROUP times.
+//    handled by the same CTA, so every K/V byte is read from memory once and used GROUP
+//    times.
 //  * Inside a CTA, threads form "token groups" of TPT threads. A token group reads one
 //     token's
 //    K row (head_dim numbers) together: each thread takes 16 consecutive bytes (one
@@ -199,8 +199,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
 
     // 4. Merge the token groups of each warp (threads TPT, 2*TPT, ... apart hold the same
     //    numbers of different groups): two running softmaxes (m1, l1, a1), (m2, l2, a2)
-    //    combine
-    //    to m = max(m1, m2), l = l1 * 2^(m1-m) + l2 * 2^(m2-m), and a likewise.
+    //    combine to m = max(m1, m2), l = l1 * 2^(m1-m) + l2 * 2^(m2-m), and a likewise.
     #pragma unroll
     for (int o = TPT; o < 32; o *= 2) {
         #pragma unroll
@@ -221,8 +220,8 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     // 5. Merge the warps through shared memory (memory all threads of the CTA can see),
     // one
     //    query head at a time, and write the result: the output itself when there is one
-    //    split,
-    //    else this split's normalised output and its log2-sum-exp for merge_splits.
+    //    split, else this split's normalised output and its log2-sum-exp for
+    //    merge_splits.
     __shared__ float sm_acc[NWARPS][HEAD_DIM];
     __shared__ float sm_m[NWARPS], sm_l[NWARPS];
     #pragma unroll  // (unrolled so that acc[g] stays in registers: g must be a constant)

@@ -2,16 +2,13 @@
 // Step 7 of the chapter: paged decode attention on tensor cores (common.cuh comes first).
 //
 // Why: with GROUP query heads per kv head, every K/V number feeds GROUP multiply-adds for
-// the
-// scores and GROUP for the output. At GROUP = 8 the CUDA-core kernel spends more time on
-// that
-// arithmetic (and on widening fp16 to fp32) than memory needs to deliver the bytes. A
-// tensor
-// core multiplies small matrices in one instruction per warp:
+// the scores and GROUP for the output. At GROUP = 8 the CUDA-core kernel spends more time
+// on that arithmetic (and on widening fp16 to fp32) than memory needs to deliver the
+// bytes. A tensor core multiplies small matrices in one instruction per warp:
 //     mma.sync.m16n8k16:  D[16x8] (float32) = A[16x16] (fp16/bf16) * B[16x8] + C[16x8]
 // Each of the 32 threads of the warp holds a fixed piece of A, B, C and D in its
-// registers
-// (the "fragments"; the PTX manual draws them). With gid = lane / 4 and tig = lane % 4:
+// registers (the "fragments"; the PTX manual draws them). With gid = lane / 4 and tig =
+// lane % 4:
 //     A: a0 = A[gid][2tig, 2tig+1]     a1 = A[gid+8][2tig, 2tig+1]
 //        a2 = A[gid][2tig+8, +9]       a3 = A[gid+8][2tig+8, +9]
 //     B: b0 = B[2tig, 2tig+1][gid]     b1 = B[2tig+8, 2tig+9][gid]
@@ -19,20 +16,18 @@
 // (two 16-bit numbers per 32-bit register, the lower column in the low half).
 //
 // One CTA handles (sequence b, kv head h, split), as in step 6. Each warp takes tiles of
-// 16
-// tokens (warp w: tiles w, w + NWARPS, ...) and, per tile,
+// 16 tokens (warp w: tiles w, w + NWARPS, ...) and, per tile,
 //   1. S = Q K^T   : A = Q, the GROUP query heads as rows (rows GROUP..15 are zero),
 //                    B = K^T, 16 tokens as two 8-column tiles; k runs over head_dim.
 //   2. online softmax over the 16 scores of each head, as in step 3 (p = 2^(s - m)).
 //   3. O^T += V^T P^T: A = V^T (16 numbers of head_dim x 16 tokens), B = P^T (16 tokens x
 //   8 heads).
 //      The C fragment of step 1 holds P[head gid][tokens 2tig, 2tig+1] and [8+2tig,
-//      9+2tig],
-//      which is exactly the B fragment step 3 needs: no data moves between threads.
+//      9+2tig], which is exactly the B fragment step 3 needs: no data moves between
+//      threads.
 // K and V tiles come from global memory into a per-warp ring of shared-memory tiles with
 // cp.async (16 bytes per thread per copy); `ldmatrix` then loads the fragments from
-// shared
-// memory (with .trans for V^T, which is V read column-wise).
+// shared memory (with .trans for V^T, which is V read column-wise).
 // =======================================================================================
 
 // ldmatrix_x4, ldmatrix_x4_trans and mma16816 are in common.cuh (the prefill kernel

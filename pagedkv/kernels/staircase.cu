@@ -1,10 +1,8 @@
 // =======================================================================================
 // Chapter 9's staircase: five teaching kernels for paged decode attention, each one idea
 // faster than the last (common.cuh comes first). Steps 6 and 7 are the package's own
-// kernels,
-// paged_decode.cu and paged_decode_tc.cu. All of them compute, for every sequence b and
-// query
-// head qh (which reads kv head h = qh / GROUP):
+// kernels, paged_decode.cu and paged_decode_tc.cu. All of them compute, for every
+// sequence b and query head qh (which reads kv head h = qh / GROUP):
 //     out[b][qh] = sum_t softmax_t(q . k_t * scale) v_t      over the tokens t <
 //     seq_lens[b]
 // These take float16 or bfloat16 (DT 1 or 2); the arithmetic is float32.
