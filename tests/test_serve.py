@@ -25,6 +25,8 @@ from pagedkv.model.generate import Engine, SamplingParams
 from pagedkv.serve.models import ByteTokenizer, chat_text, load
 from pagedkv.serve.process import ServerProcess, get_json
 
+from _serving import idle, metric
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny-random-llama"
 TIMEOUT = 30.0      # seconds any one call may take
@@ -33,24 +35,7 @@ ENV = {**os.environ,   # this checkout first, and whatever the environment alrea
        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
 
 
-def _idle(server, deadline: float = 10.0) -> dict:
-    """Wait (bounded) until the engine holds nothing; return the pool."""
-    end = time.monotonic() + deadline
-    while True:
-        pool = get_json(server.url + "/pool")
-        if pool["used"] == 0 and pool["running"] == pool["waiting"] == pool["sequences"] == 0:
-            return pool
-        if time.monotonic() > end:
-            raise AssertionError(f"the pool did not empty within {deadline} s: {pool}")
-        time.sleep(0.05)
-
-
-def _metric(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} is not in /metrics:\n{text}")
+_idle, _metric = idle, metric
 
 
 @pytest.fixture(scope="module")

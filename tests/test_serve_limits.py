@@ -21,6 +21,8 @@ import pytest
 from pagedkv.serve.models import ByteTokenizer, chat_text
 from pagedkv.serve.process import ServerProcess, get_json
 
+from _serving import idle, metric
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ,
        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -31,23 +33,12 @@ JSON = {"Content-Type": "application/json"}
 
 
 def _idle(server, deadline: float = 15.0) -> dict:
-    end = time.monotonic() + deadline
-    while True:
-        pool = get_json(server.url + "/pool")
-        if pool["used"] == 0 and pool["running"] == pool["waiting"] == pool["sequences"] == 0:
-            assert pool["audit"] == "ok", pool
-            return pool
-        if time.monotonic() > end:
-            raise AssertionError(f"the pool did not empty within {deadline} s: {pool}")
-        time.sleep(0.05)
+    pool = idle(server, deadline)
+    assert pool["audit"] == "ok", pool
+    return pool
 
 
-def _metric(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} is not in /metrics")
+_metric = metric
 
 
 def _answers(server) -> None:

@@ -24,14 +24,14 @@ import threading
 import time
 from concurrent.futures import Future
 
-from .loop import EngineCore, Job, Texts, pool_report
+from .loop import EngineCore, Job, Mortal, Texts, pool_report
 
 __all__ = ["EngineProcess"]
 
 log = logging.getLogger("pagedkv.serve")
 
 
-class EngineProcess:
+class EngineProcess(Mortal):
     """:class:`~.loop.EngineLoop`'s interface over an engine in a child process, made
     there by ``make_engine(options)`` (a module-level function: the child imports it);
     ``tokenizer`` turns tokens into text here."""
@@ -167,7 +167,7 @@ class EngineProcess:
                     self._die(message[1])
                     return
                 elif kind == "stopped":
-                    self._refuse_all(503, "the server is shutting down")
+                    self._refuse_waiting(503, "the server is shutting down")
                     return
         except (EOFError, OSError):
             if not self.stopping:
@@ -211,22 +211,7 @@ class EngineProcess:
             self.totals["failed"] += 1
             job.emit(dict(type="error", message=message))
 
-    def _die(self, reason: str) -> None:
-        if self.dead is not None:
-            return
-        log.error("the engine is dead: %s", reason)
-        self.dead = reason
-        for job in list(self.jobs.values()):
-            job.emit(dict(type="error", message=f"the engine is not running: {reason}"))
-        self.jobs.clear()
-        self._refuse_all(503, f"the engine is not running: {reason}")
-        if self.on_dead is not None:
-            try:
-                self.on_dead(reason)
-            except Exception:  # noqa: BLE001
-                log.exception("on_dead failed")
-
-    def _refuse_all(self, status: int, message: str) -> None:
+    def _refuse_waiting(self, status: int, message: str) -> None:
         for key in list(self._pending):
             job = self._pending.pop(key, None)
             if job is not None:

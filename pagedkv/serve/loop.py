@@ -343,7 +343,27 @@ class Texts:
 
 # ---------------------------------------------------------------------- the loop
 
-class EngineLoop:
+class Mortal:
+    """What a loop does once when its engine dies (``jobs``, ``dead``, ``on_dead`` are
+    the loop's): every job an error, every waiting submit a 503, then ``on_dead``."""
+
+    def _die(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        log.error("the engine is dead: %s", reason)
+        self.dead = reason
+        for job in list(self.jobs.values()):
+            job.emit(dict(type="error", message=f"the engine is not running: {reason}"))
+        self.jobs.clear()
+        self._refuse_waiting(503, f"the engine is not running: {reason}")
+        if self.on_dead is not None:
+            try:
+                self.on_dead(reason)
+            except Exception:  # noqa: BLE001
+                log.exception("on_dead failed")
+
+
+class EngineLoop(Mortal):
     """Owns ``engine`` on a thread of its own; ``tokenizer`` turns tokens into text.
 
     Call :meth:`start`, then :meth:`submit`, :meth:`cancel` and :meth:`pool` from any
@@ -509,21 +529,9 @@ class EngineLoop:
             self._cancel(job)
         self._drain(503, "the server is shutting down")
 
-    def _die(self, reason: str) -> None:
-        if self.dead is not None:
-            return
-        log.error("the engine is dead: %s", reason)
-        self.dead = reason
-        for job in list(self.jobs.values()):
-            job.emit(dict(type="error", message=f"the engine is not running: {reason}"))
-        self.jobs.clear()
-        self._drain(503, f"the engine is not running: {reason}")
+    def _refuse_waiting(self, status: int, message: str) -> None:
+        self._drain(status, message)
         self.stats = self._stats()
-        if self.on_dead is not None:
-            try:
-                self.on_dead(reason)
-            except Exception:  # noqa: BLE001
-                log.exception("on_dead failed")
 
     def _refuse_until_stopped(self) -> None:
         """A dead loop still answers: every submit gets 503, every pool read an error."""
