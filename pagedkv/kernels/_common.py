@@ -60,6 +60,14 @@ def to_device(a):
     return cp.asarray(a)
 
 
+def contiguous_on_device(a):
+    """``a`` as a C-contiguous CuPy array (a copy only if it is not one already)."""
+    cp = backend.xp
+    if not isinstance(a, cp.ndarray):
+        a = cp.asarray(a)
+    return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
+
+
 def is_cupy(a) -> bool:
     """True for a CuPy array (only possible when the backend found a GPU)."""
     return backend.on_gpu and isinstance(a, backend.xp.ndarray)

@@ -27,8 +27,8 @@ import numpy as np
 from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import (DTYPE_CODES, allow_dynamic_smem, check_decode, fn_attr, is_cupy, kernel,
-                      load_source, sm_count, to_dtype)
+from ._common import (DTYPE_CODES, allow_dynamic_smem, check_decode, contiguous_on_device,
+                      fn_attr, is_cupy, kernel, load_source, sm_count, to_dtype)
 from .reference import decode_numpy
 
 __all__ = ["paged_decode_attention", "decode_plan", "DecodePlan", "choose_num_splits",
@@ -171,7 +171,7 @@ class DecodePlan:
         batch, q_heads, d = q.shape
         kv_heads = cache.shape[3]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        q, block_tables, seq_lens = (_contiguous(a) for a in (q, block_tables, seq_lens))
+        q, block_tables, seq_lens = (contiguous_on_device(a) for a in (q, block_tables, seq_lens))
         if out is None:
             out = cp.empty_like(q)
         elif not out.flags.c_contiguous:
@@ -271,13 +271,6 @@ def _scratch(nbytes: int):
     if buf is None or buf.nbytes < nbytes:
         buf = _workspace[key] = cp.empty((max(nbytes, 1 << 20) + 3) // 4, cp.float32)
     return buf
-
-
-def _contiguous(a):
-    cp = backend.xp
-    if not isinstance(a, cp.ndarray):
-        a = cp.asarray(a)
-    return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
 
 
 # --------------------------------------------------------------------------- the public call

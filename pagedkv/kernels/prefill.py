@@ -30,7 +30,7 @@ from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
 from ._common import (DTYPE_CODES, PREFILL_HEAD_DIMS, allow_dynamic_smem, check_prefill,
-                      fn_attr, is_cupy, kernel, load_source, to_dtype)
+                      contiguous_on_device, fn_attr, is_cupy, kernel, load_source, to_dtype)
 from .reference import prefill_numpy
 
 __all__ = ["paged_prefill_attention", "prefill_plan", "PrefillPlan", "prefill_config",
@@ -148,13 +148,6 @@ def _plan(q_heads, cache_shape, kv_dtype, config):
                        fn_attr(fn, "num_regs", -1), fn_attr(fn, "local_size_bytes", -1), fn)
 
 
-def _contiguous(a):
-    cp = backend.xp
-    if not isinstance(a, cp.ndarray):
-        a = cp.asarray(a)
-    return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
-
-
 _checked = {}   # (shapes, dtypes, options) already checked -> their PrefillPlan
 
 
@@ -189,7 +182,7 @@ def paged_prefill_attention(q, cache, block_tables, query_start, seq_lens, *, sc
                 _checked.clear()
             _checked[key] = plan
         q, block_tables, query_start, seq_lens = (
-            _contiguous(a) for a in (q, block_tables, query_start, seq_lens))
+            contiguous_on_device(a) for a in (q, block_tables, query_start, seq_lens))
         return plan.run(q, cache, block_tables, query_start, seq_lens, out, scale)
     kv_dtype = check_prefill(q, cache, block_tables, query_start, seq_lens, out)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
