@@ -287,15 +287,15 @@ class Texts:
         self.tokenizer, self.stop_ids = tokenizer, frozenset(stop_ids)
 
     def advance(self, job: Job, updates) -> bool:
-        """Decode and send what is new in each of the job's sequences; True once every
-        choice has ended (a choice cut by a stop string ends before its sequence does)."""
+        """Decode and send what is new in each of the job's sequences; True once
+        every choice has ended (one cut by a stop string ends before its sequence)."""
         for seq_id, tokens, ended in updates:
             ch = job.choices.get(seq_id)
             if ch is None:
                 ch = Choice(len(job.choices), self.tokenizer.decoder())
                 job.choices[seq_id] = ch
             if ch.finish_reason:
-                continue                        # cut by a stop string: the rest is unread
+                continue              # cut by a stop string: the rest is not read
             ch.tokens += len(tokens)
             eos = ended and bool(tokens) and tokens[-1] in self.stop_ids and \
                 not job.params.ignore_eos
