@@ -197,7 +197,7 @@ class EngineProcess(Mortal):
                     job.emit(dict(type="pool", pool=pool))
                 if self.texts.advance(job, updates):
                     del self.jobs[key]
-                    if not done:                # a stop string ended it: the engine stops
+                    if not done:                # ended by a stop string: stop it too
                         self._send(("cancel", key))
                     job.emit(dict(type="done", usage=Texts.usage(job)))
             except Exception as exc:  # noqa: BLE001 (this job fails, the others go on)
