@@ -4,6 +4,7 @@ every slot no token was written to."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pagedkv import backend
 from pagedkv.kernels import write_kv
@@ -11,6 +12,18 @@ from pagedkv.kernels._common import BF16, to_device
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": BF16}
 TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _bfloat16_needs_ml_dtypes(request):
+    """NumPy has no bfloat16; ml_dtypes (in requirements.txt) gives it one. (A module that
+    imports this fixture skips its bfloat16 cases without it.)"""
+    spec = getattr(request.node, "callspec", None)
+    if BF16 is None and spec and "bfloat16" in map(str, spec.params.values()):
+        pytest.skip("bfloat16 cases need ml_dtypes, which is not installed")
+
+
+gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no usable GPU: {backend.reason}")
 
 
 def rng_for(seed):

@@ -17,19 +17,11 @@ from pagedkv.errors import ConfigError
 from pagedkv.kernels import (copy_blocks, copy_blocks_ref, decode_plan, dense_attention,
                              gather_kv, paged_decode_attention, paged_decode_attention_ref,
                              write_kv, write_kv_ref)
-from pagedkv.kernels._common import BF16, to_device
+from pagedkv.kernels._common import to_device
 from pagedkv.kernels.attention import uses_tensor_cores
 
 
-@pytest.fixture(autouse=True)
-def _bfloat16_needs_ml_dtypes(request):
-    """NumPy has no bfloat16; ml_dtypes (in requirements.txt) gives it one."""
-    spec = getattr(request.node, "callspec", None)
-    if BF16 is None and spec and "bfloat16" in map(str, spec.params.values()):
-        pytest.skip("bfloat16 cases need ml_dtypes, which is not installed")
-
-
-gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no usable GPU: {backend.reason}")
+from _attn_cases import _bfloat16_needs_ml_dtypes, gpu  # noqa: F401 (a fixture)
 
 
 # ------------------------------------------------------------------ NumPy paths (CI)

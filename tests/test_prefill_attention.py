@@ -22,19 +22,11 @@ from pagedkv import backend
 from pagedkv.errors import ConfigError
 from pagedkv.kernels import (paged_decode_attention, paged_prefill_attention,
                              paged_prefill_attention_ref, prefill_plan)
-from pagedkv.kernels._common import BF16
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _bfloat16_needs_ml_dtypes(request):
-    spec = getattr(request.node, "callspec", None)
-    if BF16 is None and spec and "bfloat16" in map(str, spec.params.values()):
-        pytest.skip("bfloat16 cases need ml_dtypes, which is not installed")
-
-
-gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no usable GPU: {backend.reason}")
+from _attn_cases import _bfloat16_needs_ml_dtypes, gpu  # noqa: F401 (a fixture)
 
 
 def oracle(q, cache, tables, query_start, seq_lens, scale=None):

@@ -90,6 +90,36 @@ def check_cache(cache) -> str:
     return dtype_name(cache)
 
 
+def _check_q(q, cache, rows: str, head_dims, what: str):
+    """The checks decode and prefill share: ``q`` ``[rows, q_heads, head_dim]`` against the
+    cache, a built head size and block size, a group of 1 to MAX_GROUP. Returns the
+    dtype."""
+    kv_dtype = check_cache(cache)
+    if q.ndim != 3:
+        raise ConfigError(f"q must have shape [{rows}, q_heads, head_dim], got "
+                          f"{tuple(q.shape)}")
+    if q.dtype != cache.dtype:
+        raise ConfigError(f"q has dtype {q.dtype}, the cache {cache.dtype}")
+    _, _, block_size, kv_heads, head_dim = cache.shape
+    _, q_heads, qd = q.shape
+    if qd != head_dim:
+        raise ConfigError(f"q has head_dim {qd}, the cache {head_dim}")
+    if head_dim not in head_dims:
+        raise ConfigError(what.format(head_dims=head_dims, head_dim=head_dim))
+    if block_size not in BLOCK_SIZES:
+        raise ConfigError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    if q_heads % kv_heads or not 1 <= q_heads // kv_heads <= MAX_GROUP:
+        raise ConfigError(f"q_heads ({q_heads}) must be 1 to {MAX_GROUP} times kv_heads "
+                          f"({kv_heads})")
+    return kv_dtype
+
+
+def _check_out(out, q) -> None:
+    if out is not None and (tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype):
+        raise ConfigError(f"out must be {tuple(q.shape)} {q.dtype}, got "
+                          f"{tuple(out.shape)} {out.dtype}")
+
+
 def check_decode(q, cache, block_tables, seq_lens, out=None) -> str:
     """Shapes and dtypes of a decode-attention call (cheap: no data is read). Returns the dtype.
 
@@ -97,30 +127,15 @@ def check_decode(q, cache, block_tables, seq_lens, out=None) -> str:
     head_dim]``; ``block_tables`` int32 ``[batch, max_blocks]``; ``seq_lens`` int32 ``[batch]``;
     ``q_heads`` is 1 to MAX_GROUP times ``kv_heads``.
     """
-    kv_dtype = check_cache(cache)
-    if q.ndim != 3:
-        raise ConfigError(f"q must have shape [batch, q_heads, head_dim], got {tuple(q.shape)}")
-    if q.dtype != cache.dtype:
-        raise ConfigError(f"q has dtype {q.dtype}, the cache {cache.dtype}")
-    _, _, block_size, kv_heads, head_dim = cache.shape
-    batch, q_heads, qd = q.shape
-    if qd != head_dim:
-        raise ConfigError(f"q has head_dim {qd}, the cache {head_dim}")
-    if head_dim not in HEAD_DIMS:
-        raise ConfigError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if block_size not in BLOCK_SIZES:
-        raise ConfigError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    if q_heads % kv_heads or not 1 <= q_heads // kv_heads <= MAX_GROUP:
-        raise ConfigError(f"q_heads ({q_heads}) must be 1 to {MAX_GROUP} times kv_heads "
-                          f"({kv_heads})")
+    kv_dtype = _check_q(q, cache, "batch", HEAD_DIMS,
+                        "head_dim must be one of {head_dims}, got {head_dim}")
+    batch = q.shape[0]
     check_int32(block_tables, "block_tables", 2)
     check_int32(seq_lens, "seq_lens", 1)
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
         raise ConfigError(f"block_tables {tuple(block_tables.shape)} and seq_lens "
                           f"{tuple(seq_lens.shape)} must have batch={batch} rows")
-    if out is not None and (tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype):
-        raise ConfigError(f"out must be {tuple(q.shape)} {q.dtype}, got "
-                          f"{tuple(out.shape)} {out.dtype}")
+    _check_out(out, q)
     return kv_dtype
 
 
@@ -152,24 +167,8 @@ def check_prefill(q, cache, block_tables, query_start, seq_lens, out=None) -> st
     ``query_start[b]`` to ``query_start[b + 1] - 1`` of ``q``); ``seq_lens`` int32 ``[batch]``
     (each sequence's length, its new tokens included).
     """
-    kv_dtype = check_cache(cache)
-    if q.ndim != 3:
-        raise ConfigError(f"q must have shape [total_new_tokens, q_heads, head_dim], got "
-                          f"{tuple(q.shape)}")
-    if q.dtype != cache.dtype:
-        raise ConfigError(f"q has dtype {q.dtype}, the cache {cache.dtype}")
-    _, _, block_size, kv_heads, head_dim = cache.shape
-    _, q_heads, qd = q.shape
-    if qd != head_dim:
-        raise ConfigError(f"q has head_dim {qd}, the cache {head_dim}")
-    if head_dim not in PREFILL_HEAD_DIMS:
-        raise ConfigError(f"prefill attention takes head_dim {PREFILL_HEAD_DIMS}, got "
-                          f"{head_dim}")
-    if block_size not in BLOCK_SIZES:
-        raise ConfigError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    if q_heads % kv_heads or not 1 <= q_heads // kv_heads <= MAX_GROUP:
-        raise ConfigError(f"q_heads ({q_heads}) must be 1 to {MAX_GROUP} times kv_heads "
-                          f"({kv_heads})")
+    kv_dtype = _check_q(q, cache, "total_new_tokens", PREFILL_HEAD_DIMS,
+                        "prefill attention takes head_dim {head_dims}, got {head_dim}")
     check_int32(block_tables, "block_tables", 2)
     check_int32(query_start, "query_start", 1)
     check_int32(seq_lens, "seq_lens", 1)
@@ -179,9 +178,7 @@ def check_prefill(q, cache, block_tables, query_start, seq_lens, out=None) -> st
                           f"{tuple(block_tables.shape)} and query_start "
                           f"{tuple(query_start.shape)} must have batch, batch and batch + 1 "
                           f"rows")
-    if out is not None and (tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype):
-        raise ConfigError(f"out must be {tuple(q.shape)} {q.dtype}, got "
-                          f"{tuple(out.shape)} {out.dtype}")
+    _check_out(out, q)
     return kv_dtype
 
 
