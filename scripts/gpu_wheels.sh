@@ -12,7 +12,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d "$out" nbval ipykernel ipywidgets nbclient gguf==0.19.0
-# The server (pagedkv.serve), its tests and chapter 13: Starlette, uvicorn, the openai client.
+# The server (pagedkv.serve), its tests and chapter 15: Starlette, uvicorn, the openai client.
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d "$out" starlette==1.10.0 uvicorn==0.54.0 openai==3.57.0
 # Chapters quote numbers with MyST's eval role; nbval needs only myst-nb and docutils for it.

@@ -1,313 +1,141 @@
-"""Chapter 12 (from pagedkv to vLLM and SGLang): orphaned cache blocks, the blocks a sliding
-window keeps, and a radix tree with pages.
-
-The first part holds what the chapter itself runs and shows, written for the chapter and kept
-out of the package: a manager that frees head first (the order pagedkv and vLLM avoid), the
-eviction experiment, a radix tree small enough to read, the chat trace and its replay. The
-exercises reuse them.
+"""Chapter 12 (a decode step in a millisecond): counting the operations of a fast decode pass,
+and padding a batch up to its bucket.
 """
 from __future__ import annotations
 
-import random
-
 import numpy as np
 
-from pagedkv.allocator import BlockAllocator
-from pagedkv.checks import cdiv, positive_int
-from pagedkv.prefix_cache import PrefixCachingManager
+from pagedkv.model import Llama, LlamaConfig, random_weights
+from pagedkv.model import runner as runner_mod
+from pagedkv.model.llama import Batch, PagedKV
 
-__all__ = ["orphans", "window_blocks", "PagedRadixTree"]
+__all__ = ["count_operations", "pad_to_bucket"]
 
-
-# ------------------------------------------------------------- what the chapter runs and shows
-class HeadFirst(PrefixCachingManager):
-    """Frees a finished sequence's blocks first block first: the natural order, which pagedkv
-    and vLLM both avoid (kept here to measure what it costs)."""
-
-    def free(self, seq_id):
-        self._table(seq_id).blocks.reverse()   # dropped next: only the order changes
-        super().free(seq_id)                   # (which frees the last block first)
+TINY = LlamaConfig(vocab_size=96, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=64,
+                   ffn=128, rope_base=10000.0, context=256)
+KINDS = ("embed", "rms_norm", "gemm", "rope_write_kv", "attention", "silu_mul", "argmax_rows")
 
 
-def cache_then_take(manager_class, taken: int, bs: int = 4, full_blocks: int = 8):
-    """Cache a prompt of `full_blocks` full blocks and one more token, free it,
-    then let an unrelated request take `taken` of its blocks and leave. Returns
-    (manager, prompt)."""
-    m = manager_class(BlockAllocator(full_blocks + 1, bs * 4), bs)
-    prompt = list(range(full_blocks * bs + 1))
-    m.add("a", prompt)
-    m.free("a")
-    m.add("b", [10_000 + t for t in range((taken + 1) * bs)])  # 1 fresh + `taken`
-    m.free("b")
-    return m, prompt
+def count_operations(layers: int) -> dict:
+    """The launches of one decode pass of :class:`~pagedkv.model.runner.FastRunner` on a
+    model of ``layers`` layers, by kind, read from ``FastRunner._pass``: an embedding first;
+    per layer two norms, four multiplies (q|k|v, the output projection, gate|up, down), the
+    rotary positions with the K/V write, the attention and the SwiGLU product; then the final
+    norm, the output head's multiply and the greedy choice."""
+    per_layer = {"rms_norm": 2, "gemm": 4, "rope_write_kv": 1, "attention": 1, "silu_mul": 1}
+    counts = {kind: layers * per_layer.get(kind, 0) for kind in KINDS}
+    counts["embed"] += 1
+    counts["rms_norm"] += 1
+    counts["gemm"] += 1
+    counts["argmax_rows"] += 1
+    return counts
 
 
-def found_again(manager_class, taken: int, bs: int = 4, full_blocks: int = 8) -> int:
-    """The experiment of `cache_then_take`, then the prompt admitted again: the
-    number of its tokens found in the cache."""
-    m, prompt = cache_then_take(manager_class, taken, bs, full_blocks)
-    found = m.add("a again", prompt).cached_tokens
-    m.audit()
-    return found
+def pad_to_bucket(tokens, positions, slots, seq_lens, bucket: int):
+    """The four per-sequence inputs of a decode step, padded to ``bucket`` rows: the padding
+    rows read nothing (length 0) and write nothing (slot -1: slot 0 is a real place in block
+    0); token and position 0 are as good as any."""
+    n = len(tokens)
+    if bucket < n:
+        raise ValueError(f"a bucket of {bucket} cannot hold {n} sequences")
+    pad = bucket - n
+    out = [np.concatenate([np.asarray(a, np.int32), np.full(pad, fill, np.int32)])
+           for a, fill in ((tokens, 0), (positions, 0), (slots, -1), (seq_lens, 0))]
+    return tuple(out)
 
 
-class RadixNode:
-    """The run of tokens on the edge into this node; children by their first token."""
-    __slots__ = ("tokens", "children")
+# ------------------------------------------------------------------------------ checks
 
-    def __init__(self, tokens=()):
-        self.tokens, self.children = tuple(tokens), {}
+def _counted_pass(layers: int) -> dict:
+    """Run one decode pass of the fast runner on a random tiny model with every operation
+    wrapped in a counter (the oracle: what the code really launches)."""
+    config = LlamaConfig(**{**TINY.__dict__, "layers": layers})
+    model = Llama(config, random_weights(config, 3), xp=np)
+    kv = PagedKV.for_model(model, 8, 16)
+    runner = runner_mod.FastRunner(model, kv, max_batch=2)
+    counts = dict.fromkeys(KINDS, 0)
+    saved = {}
 
-
-def common_length(a, b) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-class RadixTree:
-    """Every inserted token sequence, each distinct prefix stored once."""
-
-    def __init__(self):
-        self.root = RadixNode()
-
-    def match(self, tokens) -> int:
-        """How many leading tokens of `tokens` some inserted sequence shares."""
-        node, i = self.root, 0
-        while i < len(tokens) and tokens[i] in node.children:
-            child = node.children[tokens[i]]
-            k = common_length(child.tokens, tokens[i:])
-            i += k
-            if k < len(child.tokens):
-                break                       # the match ends inside this edge
-            node = child
-        return i
-
-    def insert(self, tokens) -> None:
-        node, i = self.root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:               # nothing starts like this: a new leaf
-                node.children[tokens[i]] = RadixNode(tokens[i:])
-                return
-            k = common_length(child.tokens, tokens[i:])
-            if k < len(child.tokens):       # split the edge after its first k tokens
-                head = RadixNode(child.tokens[:k])
-                child.tokens = child.tokens[k:]
-                head.children[child.tokens[0]] = child
-                node.children[tokens[i]] = child = head
-            node, i = child, i + k
-
-
-def chat_trace(seed: int = 0, conversations: int = 4, turns: int = 2) -> list:
-    """Conversations that share a system prompt of 37 tokens, each turn's prompt
-    being the whole conversation so far plus a question: a list of (request,
-    prompt, answer)."""
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, 1000, 37).tolist()
-    history, trace = {}, []
-    for turn in range(turns):
-        for c in range(conversations):
-            question = rng.integers(0, 1000, int(rng.integers(6, 20))).tolist()
-            answer = rng.integers(0, 1000, int(rng.integers(10, 30))).tolist()
-            prompt = history.get(c, system) + question
-            trace.append((f"c{c}t{turn}", prompt, answer))
-            history[c] = prompt + answer
-    return trace
-
-
-def replay(trace, block_size: int, tree=None) -> list:
-    """Per request: (name, prompt length, found by the radix tree, found by us).
-    Both leave the prompt's last token to compute: the tree matches all but it."""
-    manager = PrefixCachingManager(BlockAllocator(4096, block_size * 4), block_size)
-    tree, rows = RadixTree() if tree is None else tree, []
-    for name, prompt, answer in trace:
-        by_tree = tree.match(prompt[:-1])
-        by_blocks = manager.add(name, prompt).cached_tokens
-        tree.insert(prompt)
-        for token in answer:
-            manager.step([name], [token])
-        tree.insert(prompt + answer)
-        manager.free(name)
-        rows.append((name, len(prompt), by_tree, by_blocks))
-    manager.audit()
-    return rows
-
-
-# ------------------------------------------------------------------------------- the solutions
-def orphans(cache) -> list:
-    """The idle blocks of a :class:`~pagedkv.prefix_cache.CachedBlocks` that no
-    lookup can reach any more: a lookup walks a chain from its first block, so a
-    block is lost once any block before it in its chain (followed by parent serial
-    numbers) is no longer cached."""
-    by_serial = {entry.serial: entry for entry in cache._entry.values()}
-
-    def reachable(entry) -> bool:
-        while entry.parent:                      # 0: the first block of its sequence
-            entry = by_serial.get(entry.parent)
-            if entry is None:
-                return False
-        return True
-
-    return sorted(b for b in cache._idle if not reachable(cache._entry[b]))
-
-
-def window_blocks(num_tokens: int, window: int, block_size: int) -> range:
-    """The logical blocks a sliding-window layer keeps after `num_tokens` tokens:
-    those that hold any of the last `window` tokens, positions max(0, n - window)
-    to n - 1."""
-    first = max(0, num_tokens - window)
-    return range(first // block_size, cdiv(num_tokens, block_size))
-
-
-class PagedRadixTree(RadixTree):
-    """A radix tree whose matches count whole pages of `page_size` tokens only, as
-    SGLang's does with pages larger than a token."""
-
-    def __init__(self, page_size: int):
-        super().__init__()
-        self.page_size = positive_int(page_size, "page_size")
-
-    def match(self, tokens) -> int:
-        return super().match(tokens) // self.page_size * self.page_size
-
-
-# ------------------------------------------------------------------------------------ checks
-def _reachable_by_lookup(manager, sequences) -> set:
-    """Blocks that a prompt made of one of `sequences` (and one more token) would hit."""
-    found = set()
-    for tokens in sequences:
-        found.update(manager._find_prefix(list(tokens) + [0])[0])
-    return found
-
-
-def check_orphans(impl=orphans, seed=14, runs=60, ops=60):
-    """The chapter's experiment by hand (head first: every block after the evicted ones is
-    lost; tail first, pagedkv's order: none), then random runs of requests with shared
-    prefixes in a small pool, freed head first so that orphans arise, against a brute-force
-    oracle: every sequence ever cached looked up again."""
-    print(f"seed={seed}")
-    for k in range(9):
-        head, _ = cache_then_take(HeadFirst, k)
-        tail, _ = cache_then_take(PrefixCachingManager, k)
-        assert len(impl(head.cache)) == (8 - k if 0 < k < 8 else 0), ("head first", k)
-        assert impl(tail.cache) == [], ("tail first", k)
-    rng = random.Random(seed)
-    lost = 0
-    for _ in range(runs):
-        bs = rng.choice([1, 2, 4])
-        m = HeadFirst(BlockAllocator(rng.randrange(6, 16), bs * 4), bs)   # orphans arise
-        stems = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
-        seen, live = [], []
-        for op in range(ops):
-            if live and rng.random() < 0.4:
-                m.free(live.pop(rng.randrange(len(live))))   # (its tokens: in seen)
+    def counted(kind, fn):
+        def wrapper(*args, **kwargs):
+            counts[kind] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    for kind in KINDS:
+        if kind == "attention":
+            saved[kind] = runner_mod.FastRunner._attend
+            runner_mod.FastRunner._attend = counted(kind, saved[kind])
+        else:
+            saved[kind] = getattr(runner_mod, kind)
+            setattr(runner_mod, kind, counted(kind, saved[kind]))
+    try:
+        one = np.ones(1, np.int32)
+        runner.decode(Batch(one, np.zeros(1, np.int32), np.zeros(1, np.int32), one, one,
+                            np.zeros((1, 1), np.int32), np.zeros((0, 2), np.int32)))
+    finally:
+        for kind, fn in saved.items():
+            if kind == "attention":
+                runner_mod.FastRunner._attend = fn
             else:
-                stem = rng.choice(stems)
-                tokens = stem[:rng.randrange(1, 13)] + [rng.randrange(50)
-                                                       for _ in range(rng.randrange(0, 6))]
-                try:
-                    m.add(op, tokens)
-                except Exception:                # the pool is full: try something else
-                    continue
-                live.append(op)
-                seen.append(tokens)
-            idle = set(m.cache._idle)
-            want = sorted(idle - _reachable_by_lookup(m, seen))
-            assert list(impl(m.cache)) == want, (bs, want)
-            lost += len(want)
-        m.audit()
-    assert lost > 0, "no run lost a block: the random runs test nothing"
-    return {"seed": seed, "runs": runs, "orphans seen": lost}
+                setattr(runner_mod, kind, fn)
+    return counts
 
 
-def check_window_blocks(impl=window_blocks, seed=15):
-    """Against a scan of token positions for every length up to 200, and the bound
-    cdiv(window - 1, block_size) + 1."""
-    print(f"seed={seed}")
-    rng = random.Random(seed)
-    cases = [(w, bs) for w in (1, 2, 5, 16, 17, 64) for bs in (1, 2, 4, 16)]
-    cases += [(rng.randrange(1, 100), rng.randrange(1, 20)) for _ in range(30)]
-    for window, bs in cases:
-        for n in range(201):
-            want = sorted({t // bs for t in range(max(0, n - window), n)})
-            got = list(impl(n, window, bs))
-            assert got == want, (n, window, bs, got, want)
-            assert len(got) <= cdiv(window - 1, bs) + 1
-    return {"seed": seed, "window and block sizes": len(cases), "lengths each": 201}
+def check_count_operations(impl=count_operations):
+    """Against the operations a real pass launches, counted, for 1, 3 and 30 layers."""
+    for layers in (1, 3, 30):
+        got, expect = impl(layers), _counted_pass(layers)
+        assert got == expect, f"{layers} layers: counted {expect}, got {got}"
+    return {"operations for 30 layers": sum(expect.values())}
 
 
-def check_PagedRadixTree(impl=PagedRadixTree, seed=16, trials=200):
-    """Against a brute-force match (the longest common prefix with any inserted sequence,
-    rounded down to pages), then request by request against our blocks of the same size on
-    chat traces."""
-    print(f"seed={seed}")
-    rng = random.Random(seed)
-    for _ in range(trials):
-        page = rng.choice([1, 2, 4, 16])
-        tree, inserted = impl(page), []
-        for _ in range(rng.randrange(1, 8)):
-            base = rng.choice(inserted) if inserted and rng.random() < 0.7 else []
-            seq = base[:rng.randrange(len(base) + 1)] + [rng.randrange(5)
-                                                         for _ in range(rng.randrange(1, 30))]
-            tree.insert(seq)
-            inserted.append(seq)
-            query = rng.choice(inserted)[:rng.randrange(40)] + [rng.randrange(5)]
-            best = max(common_length(query, s) for s in inserted)
-            assert tree.match(query) == best // page * page, (page, query)
-    for trace_seed in range(3):
-        trace = chat_trace(trace_seed)
-        for page in (4, 16):
-            for name, _, by_tree, by_blocks in replay(trace, page, impl(page)):
-                assert by_tree == by_blocks, (trace_seed, page, name, by_tree, by_blocks)
-    return {"seed": seed, "trees": trials, "chat traces": 3}
+def check_pad_to_bucket(impl=pad_to_bucket, seed=14):
+    """Against the fast runner's own staging (``FastRunner._stage``) for random batches."""
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}")
+    model = Llama(TINY, random_weights(TINY, 3), xp=np)
+    runner = runner_mod.FastRunner(model, PagedKV.for_model(model, 64, 16), max_batch=8)
+    B = runner.max_batch
+    for _ in range(50):
+        n = int(rng.integers(1, 9))
+        bucket = int(rng.integers(n, 9))
+        lens = rng.integers(1, 200, n).astype(np.int32)
+        batch = Batch(rng.integers(0, 96, n).astype(np.int32), lens - 1,
+                      rng.integers(0, 64 * 16, n).astype(np.int32), np.ones(n, np.int32),
+                      lens, np.zeros((n, 1), np.int32), np.zeros((0, 2), np.int32))
+        runner._stage(batch, bucket)
+        staged = [runner._meta_host[i * B:i * B + bucket] for i in range(4)]
+        got = impl(batch.tokens, batch.positions, batch.slots, batch.seq_lens, bucket)
+        for name, g, s in zip(("tokens", "positions", "slots", "seq_lens"), got, staged):
+            assert np.array_equal(g, s), f"{name}: {g.tolist()} != {s.tolist()}"
+    return {"batches": 50}
 
 
-# ---------------------------------------------------- wrong answers the checks must reject
-def _orphans_parent_only(cache):
-    """Only blocks whose own parent is gone: misses the rest of a broken chain."""
-    serials = {entry.serial for entry in cache._entry.values()}
-    return sorted(b for b in cache._idle
-                  if cache._entry[b].parent and cache._entry[b].parent not in serials)
+def _pad_slots_with_zero(tokens, positions, slots, seq_lens, bucket):
+    t, p, s, n = pad_to_bucket(tokens, positions, slots, seq_lens, bucket)
+    s[len(tokens):] = 0                       # slot 0 is block 0's first token: overwritten
+    return t, p, s, n
 
 
-def _orphans_by_block_id(cache):
-    """Follows parents by block id order instead of serial numbers."""
-    return sorted(b for b in cache._idle if b - 1 >= 0 and b - 1 not in cache._entry
-                  and cache._entry[b].parent)
+def _pad_lengths_with_one(tokens, positions, slots, seq_lens, bucket):
+    t, p, s, n = pad_to_bucket(tokens, positions, slots, seq_lens, bucket)
+    n[len(tokens):] = 1                       # reads block 0's first token for nothing
+    return t, p, s, n
 
 
-def _window_from_a_negative_block(num_tokens, window, block_size):
-    return range((num_tokens - window) // block_size, cdiv(num_tokens, block_size))
+def _no_output_head(layers):
+    counts = count_operations(layers)
+    counts["gemm"] -= 1
+    return counts
 
 
-def _window_of_whole_blocks(num_tokens, window, block_size):
-    last = cdiv(num_tokens, block_size)
-    return range(max(0, last - cdiv(window, block_size)), last)
-
-
-def _window_one_token_too_many(num_tokens, window, block_size):
-    return range(max(0, num_tokens - window - 1) // block_size, cdiv(num_tokens, block_size))
-
-
-class _TreeRoundingUp(RadixTree):
-    def __init__(self, page_size):
-        super().__init__()
-        self.page_size = page_size
-
-    def match(self, tokens):
-        return min(cdiv(super().match(tokens), self.page_size) * self.page_size, len(tokens))
-
-
-class _TreeUnpaged(RadixTree):
-    def __init__(self, page_size):
-        super().__init__()
+def _one_norm_a_layer(layers):
+    counts = count_operations(layers)
+    counts["rms_norm"] -= layers
+    return counts
 
 
 WRONG = {
-    "orphans": [_orphans_parent_only, _orphans_by_block_id],
-    "window_blocks": [_window_from_a_negative_block, _window_of_whole_blocks,
-                      _window_one_token_too_many],
-    "PagedRadixTree": [_TreeRoundingUp, _TreeUnpaged],
+    "count_operations": [_no_output_head, _one_norm_a_layer],
+    "pad_to_bucket": [_pad_slots_with_zero, _pad_lengths_with_one],
 }

@@ -1,96 +1,265 @@
-"""Chapter 15 (scheduling under load): how many steps a long prompt takes to its first token
-under a token budget, and the budget that brings it there in a given number of steps."""
+"""Chapter 15 (serving it): how much of a streamed answer is safe to send while stop
+strings may still appear, reading a server-sent event stream back, and the text of one
+more token with nothing but the tokenizer's ``decode``."""
 from __future__ import annotations
 
 import itertools
-import math
+import json
+import random
 
-from pagedkv import sim
-
-__all__ = ["steps_to_first_token", "budget_for"]
-
-
-def steps_to_first_token(prompt: int, running: int, budget: int) -> int:
-    """Steps a ``prompt``-token request needs to finish its prefill, admitted into a step
-    where ``running`` requests decode one token each under a token ``budget``. Each step
-    leaves ``budget - running`` tokens for its chunk; the last chunk must fit with the
-    request's own first decode token, so the prompt and that token take
-    ``ceil((prompt + 1) / (budget - running))`` steps."""
-    room = budget - running
-    if room < 2:
-        raise ValueError(f"a budget of {budget} beside {running} decodes leaves no room "
-                         f"for a chunk and its decode token")
-    return math.ceil((prompt + 1) / room)
+__all__ = ["safe_length", "read_sse", "OffsetDecoder"]
 
 
-def budget_for(prompt: int, running: int, steps: int) -> int:
-    """The smallest budget with which a ``prompt``-token request, beside ``running``
-    decodes, finishes its prefill within ``steps`` steps: ``running`` for the decodes plus
-    ``ceil((prompt + 1) / steps)`` for the chunks."""
-    return running + max(2, math.ceil((prompt + 1) / steps))
+# ------------------------------------------------------------------ stop strings
+def safe_length(text: str, stops) -> int:
+    """How many leading characters of a partial answer can be sent now: the answer
+    ends just before the first stop string in it, and any tail of the text that a stop
+    string starts with may turn out to be the beginning of one."""
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    if first is not None:
+        return first
+    for i in range(len(text)):                 # the earliest tail that could grow into one
+        tail = text[i:]
+        if any(s.startswith(tail) for s in stops):
+            return i
+    return len(text)
 
 
-# ------------------------------------------------------------------------------------ checks
-def _served(prompt: int, running: int, budget: int) -> int:
-    """The steps, counted by the simulation (the shared scheduler, chunked prefill), from
-    the long request's admission to its first decode: ``running`` requests are decoding
-    when it arrives, and the pool is large enough for everyone."""
-    reqs = [sim.Request(i, 0, 1, 400) for i in range(running)]
-    reqs.append(sim.Request(running, 5, prompt, 2))     # (after they all started)
-    wl = sim.Workload("exercise", tuple(reqs), max(r.total for r in reqs), 0)
-    grew = []
-
-    class Watch(sim.Observer):
-        def stepped(self, step, batch, queue, refused):
-            if running in batch.ids:
-                grew.append(int(batch.lens[batch.ids.index(running)]))
-    policy = sim.make_policy("paged:16", 64 * sim.MiB, wl.max_len)
-    sim.serve(wl, policy, max_seqs=running + 1, token_budget=budget, chunked_prefill=True,
-              observers=[Watch()])
-    return next(i for i, n in enumerate(grew) if n > prompt) + 1
+def _brute_safe_length(text: str, stops, alphabet) -> int:
+    """The oracle: an answer with a stop string in it has ended there; otherwise try
+    every continuation up to the longest stop's length: a character is safe when no
+    continuation puts a stop string's start at or before it."""
+    ended = [i for i in range(len(text)) if any(text.startswith(s, i) for s in stops)]
+    if ended:
+        return ended[0]
+    longest = max(len(s) for s in stops)
+    worst = len(text)
+    for n in range(longest + 1):
+        for more in itertools.product(alphabet, repeat=n):
+            full = text + "".join(more)
+            hits = [i for i in (full.find(s) for s in stops) if i >= 0]
+            if hits:
+                worst = min(worst, min(hits))
+    return worst
 
 
-def check_steps_to_first_token(impl=steps_to_first_token, seed=15):
-    """Against the simulation for a grid of prompts, decodes and budgets."""
-    print(f"seed={seed} (the grid is fixed)")
-    for prompt, running, budget in itertools.product((1, 30, 64, 100), (0, 3, 8),
-                                                     (12, 33, 64)):
-        want = _served(prompt, running, budget)
-        got = impl(prompt, running, budget)
-        assert got == want, (prompt, running, budget, got, want)
-    return {"cases": 36}
+def check_safe_length(impl=safe_length, seed=13, trials=400):
+    """Against the brute force on random texts and stop strings over three letters, and
+    a few cases worked by hand."""
+    print(f"seed={seed}")
+    assert impl("Hello wor", ["world"]) == 6
+    assert impl("Hello world!", ["world"]) == 6
+    assert impl("abc", ["x"]) == 3
+    assert impl("a\n\nb", ["\n\n", "b"]) == 1
+    rng = random.Random(seed)
+    alphabet = "abc"
+    for _ in range(trials):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 9)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 4)))
+                 for _ in range(rng.randrange(1, 4))]
+        want = _brute_safe_length(text, stops, alphabet)
+        got = impl(text, stops)
+        assert got == want, (text, stops, got, want)
+    return {"seed": seed, "random cases": trials}
 
 
-def check_budget_for(impl=budget_for, seed=15):
-    """The budget it gives reaches the first token within the steps (by the simulation),
-    and one token less does not."""
-    print(f"seed={seed} (the grid is fixed)")
-    for prompt, running, steps in itertools.product((10, 63, 100), (0, 4), (1, 2, 5)):
-        b = impl(prompt, running, steps)
-        assert _served(prompt, running, b) <= steps, (prompt, running, steps, b)
-        if b - running > 2:
-            assert _served(prompt, running, b - 1) > steps, (prompt, running, steps, b)
-    return {"cases": 18}
+def _safe_hold_longest_minus_one(text, stops):
+    """What the server does: hold back as many characters as the longest stop string
+    has, less one. Safe, but it holds back more than it must."""
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    if first is not None:
+        return first
+    return max(0, len(text) - (max(len(s) for s in stops) - 1))
 
 
-# ---------------------------------------------------- wrong answers the checks must reject
-def _without_the_decode_token(prompt, running, budget):
-    return math.ceil(prompt / (budget - running))
+def _safe_whole_stops_only(text, stops):
+    """Only a stop string already in the text is held back: half of one leaks out."""
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    return len(text) if first is None else first
 
 
-def _decodes_not_charged(prompt, running, budget):
-    return math.ceil((prompt + 1) / budget)
+def _safe_last_tail_only(text, stops):
+    """Looks at the last character only, not the longer tails."""
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    if first is not None:
+        return first
+    if text and any(s.startswith(text[-1]) for s in stops):
+        return len(text) - 1
+    return len(text)
 
 
-def _budget_without_decodes(prompt, running, steps):
-    return max(2, math.ceil((prompt + 1) / steps))
+# ------------------------------------------------------------------ server-sent events
+def read_sse(chunks) -> list:
+    """The JSON objects of an OpenAI stream, from the bytes as they arrive (``chunks``,
+    cut anywhere, even inside a character), up to ``data: [DONE]``. An event is its
+    ``data:`` lines joined by newlines, ended by a blank line; other fields and comment
+    lines (starting with ``:``) carry no data."""
+    out, buffer, raw = [], "", b""
+    for chunk in chunks:
+        raw += chunk
+        try:
+            text, raw = raw.decode("utf-8"), b""
+        except UnicodeDecodeError as exc:          # a character cut in two: wait for it
+            text, raw = raw[:exc.start].decode("utf-8"), raw[exc.start:]
+        buffer += text.replace("\r\n", "\n")
+        while "\n\n" in buffer:
+            event, buffer = buffer.split("\n\n", 1)
+            data = [line[5:].removeprefix(" ") for line in event.split("\n")
+                    if line.startswith("data:")]
+            if not data:
+                continue
+            if data == ["[DONE]"]:
+                return out
+            out.append(json.loads("\n".join(data)))
+    return out
 
 
-def _budget_one_short(prompt, running, steps):
-    return running + max(2, math.ceil(prompt / steps))
+def _stream_of(objs, rng):
+    """A stream as the server writes it (its own encoder), cut at random places."""
+    from pagedkv.serve.app import _sse
+    raw = b": a comment\n\n" + b"".join(_sse(o) for o in objs) + b"data: [DONE]\n\n"
+    raw += _sse({"after": "done"})
+    cuts = sorted(rng.sample(range(1, len(raw)), min(len(raw) - 1, rng.randrange(0, 12))))
+    return [raw[a:b] for a, b in zip([0] + cuts, cuts + [len(raw)])]
+
+
+def check_read_sse(impl=read_sse, seed=131, trials=200):
+    """Streams written by the server's own encoder, cut at random byte positions, read
+    back to the objects written; and a multi-line event by hand."""
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    for _ in range(trials):
+        objs = [{"choices": [{"index": 0, "text": rng.choice(["a", "é", "\u2603", "\n"])
+                              * rng.randrange(4)}], "n": k} for k in range(rng.randrange(6))]
+        assert impl(_stream_of(objs, rng)) == objs
+    assert impl([b'data: {"a":\r\ndata: 1}\r\n\r\ndata: [DONE]\n\n']) == [{"a": 1}]
+    return {"seed": seed, "streams": trials}
+
+
+def _sse_split_on_lines(chunks):
+    """Takes every `data:` line as one event: a chunk cut mid-line breaks it."""
+    out = []
+    for chunk in chunks:
+        for line in chunk.decode("utf-8", errors="replace").splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                try:
+                    out.append(json.loads(line[6:]))
+                except ValueError:
+                    pass
+    return out
+
+
+def _sse_past_done(chunks):
+    """Reads on past [DONE]."""
+    raw = b"".join(chunks).decode()
+    return [json.loads(e[6:]) for e in raw.split("\n\n")
+            if e.startswith("data: ") and e != "data: [DONE]"]
+
+
+# ------------------------------------------------------------------ one token's text
+class OffsetDecoder:
+    """The text each new token adds, from ``tokenizer.decode`` of a few recent ids.
+    ``prefix`` marks the ids whose text was sent in full, ``read`` the end of those
+    sent: the text of ``ids[prefix:]`` beyond that of ``ids[prefix:read]`` is new,
+    unless it ends in an unfinished character (U+FFFD), which waits for more. The
+    window starts again after every piece sent, so each step decodes a handful of
+    ids, however long the answer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def step(self, token: int) -> str:
+        self.ids.append(int(token))
+        sent = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) > len(sent) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(sent):]
+        return ""
+
+
+CORPUS = ["Héllo wörld, ça va? ", "你好，世界！", "naïve café 🙂 ", "Ünïcödé ½ ",
+          "The cat sat on the mat. ", "😀🚀 ok", "Ωmega ∑ ∞ → ∂ "]
+
+
+def _byte_level_tokenizer():
+    """A small byte-level BPE trained here: with every byte its own token and merges on
+    top, a character of two or more bytes is often split between tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    return tok
+
+
+class _Counting:
+    """A tokenizer whose ``decode`` remembers the longest list of ids it was given."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def decode(self, ids):
+        self.longest = max(self.longest, len(ids))
+        return self.tok.decode(list(ids))
+
+
+def check_OffsetDecoder(impl=OffsetDecoder, seed=1313, trials=200):
+    """The oracle is decoding the whole answer: on answers made of random pieces of
+    text, the pieces joined are the whole text, every prefix of them is a prefix of it
+    without an unfinished character, and no call decodes more than 16 ids."""
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    tok = _byte_level_tokenizer()
+    for _ in range(trials):
+        text = "".join(rng.choice(CORPUS)[rng.randrange(3):] for _ in range(rng.randrange(
+            1, 6)))
+        ids = tok.encode(text).ids
+        whole = tok.decode(ids)
+        counting = _Counting(tok)
+        decoder, out = impl(counting), ""
+        for t in ids:
+            out += decoder.step(t)
+            assert whole.startswith(out) and "\ufffd" not in out, (text, out)
+        assert out == whole, (text, out, whole)
+        assert counting.longest <= 16, f"decoded {counting.longest} ids at once"
+    return {"seed": seed, "answers": trials}
+
+
+class _DecodeEachToken(OffsetDecoder):
+    """Each token decoded alone: a character split between two tokens comes out as two
+    replacement characters."""
+
+    def step(self, token):
+        return self.tokenizer.decode([int(token)])
+
+
+class _WholeAnswer(OffsetDecoder):
+    """Right text, but the whole answer decoded at every step: O(length) a token."""
+
+    def step(self, token):
+        before = self.tokenizer.decode(self.ids)
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids)
+        return text[len(before):] if not text.endswith("\ufffd") else ""
+
+
+class _NoHolding(OffsetDecoder):
+    """Sends text that ends in an unfinished character."""
+
+    def step(self, token):
+        self.ids.append(int(token))
+        sent = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(sent):]
 
 
 WRONG = {
-    "steps_to_first_token": [_without_the_decode_token, _decodes_not_charged],
-    "budget_for": [_budget_without_decodes, _budget_one_short],
+    "safe_length": [_safe_hold_longest_minus_one, _safe_whole_stops_only,
+                    _safe_last_tail_only],
+    "read_sse": [_sse_split_on_lines, _sse_past_done],
+    "OffsetDecoder": [_DecodeEachToken, _WholeAnswer, _NoHolding],
 }

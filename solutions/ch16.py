@@ -1,5 +1,11 @@
-"""Chapter 16 (beyond one GPU): a wire plan that sends each shared block once, and the bytes
-per block a rank stores under tensor parallelism."""
+"""Chapter 16 (from pagedkv to vLLM and SGLang): orphaned cache blocks, the blocks a sliding
+window keeps, and a radix tree with pages.
+
+The first part holds what the chapter itself runs and shows, written for the chapter and kept
+out of the package: a manager that frees head first (the order pagedkv and vLLM avoid), the
+eviction experiment, a radix tree small enough to read, the chat trace and its replay. The
+exercises reuse them.
+"""
 from __future__ import annotations
 
 import random
@@ -7,100 +13,301 @@ import random
 import numpy as np
 
 from pagedkv.allocator import BlockAllocator
-from pagedkv.manager import KVCacheManager
-from pagedkv.spec import KVSpec
-from pagedkv.transfer import copy_between, plan_transfer
+from pagedkv.checks import cdiv, positive_int
+from pagedkv.prefix_cache import PrefixCachingManager
 
-__all__ = ["wire_plan", "tp_block_bytes"]
-
-
-def wire_plan(pairs):
-    """``(sent, index)`` for a transfer's (block on A, block on B) pairs: the distinct
-    blocks of A, in the order they first appear, and for each pair the place of its
-    source in ``sent``. The sender packs ``blocks[:, sent]``; the receiver scatters
-    ``packed[:, index]`` into its blocks ``pairs[:, 1]``."""
-    pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
-    place: dict = {}
-    index = [place.setdefault(a, len(place)) for a in pairs[:, 0].tolist()]
-    return np.array(list(place), dtype=np.int64), np.array(index, dtype=np.int64)
+__all__ = ["orphans", "window_blocks", "PagedRadixTree"]
 
 
-def tp_block_bytes(spec: KVSpec, block_size: int, world: int) -> int:
-    """Bytes of one block on one of ``world`` tensor-parallel ranks: the rank's share of
-    the KV heads, at least one head (with more ranks than KV heads, heads are stored on
-    several ranks, as vLLM does)."""
-    heads = max(1, spec.kv_heads // world)
-    return block_size * 2 * spec.layers * heads * spec.head_dim * spec.itemsize
+# ------------------------------------------------------------- what the chapter runs and shows
+class HeadFirst(PrefixCachingManager):
+    """Frees a finished sequence's blocks first block first: the natural order, which pagedkv
+    and vLLM both avoid (kept here to measure what it costs)."""
+
+    def free(self, seq_id):
+        self._table(seq_id).blocks.reverse()   # dropped next: only the order changes
+        super().free(seq_id)                   # (which frees the last block first)
 
 
-def _forked_managers(rng):
-    """Pool A with forked sequences (shared blocks), pool B empty; values in A's pool."""
-    bs, layers = 4, 2
-    pool = BlockAllocator(40, bs * 8 * layers, xp=np)
-    taken = pool.allocate_n(40)
-    rng.shuffle(taken)
-    pool.free_n(taken)                      # the free stack in a random order
-    a = KVCacheManager(pool, bs)
-    b = KVCacheManager(BlockAllocator(40, bs * 8 * layers, xp=np), bs)
-    a.add(0, rng.randrange(1, 20))
-    children = list(range(1, rng.randrange(2, 5)))
-    a.fork(0, *children)
-    for c in children:
-        a.step([c])
-    return a, b
+def cache_then_take(manager_class, taken: int, bs: int = 4, full_blocks: int = 8):
+    """Cache a prompt of `full_blocks` full blocks and one more token, free it,
+    then let an unrelated request take `taken` of its blocks and leave. Returns
+    (manager, prompt)."""
+    m = manager_class(BlockAllocator(full_blocks + 1, bs * 4), bs)
+    prompt = list(range(full_blocks * bs + 1))
+    m.add("a", prompt)
+    m.free("a")
+    m.add("b", [10_000 + t for t in range((taken + 1) * bs)])  # 1 fresh + `taken`
+    m.free("b")
+    return m, prompt
 
 
-def check_wire_plan(impl=wire_plan, seed=16, trials=200):
-    """Each distinct block is sent once, and scattering the packed blocks by ``index``
-    gives what :func:`copy_between` gives."""
+def found_again(manager_class, taken: int, bs: int = 4, full_blocks: int = 8) -> int:
+    """The experiment of `cache_then_take`, then the prompt admitted again: the
+    number of its tokens found in the cache."""
+    m, prompt = cache_then_take(manager_class, taken, bs, full_blocks)
+    found = m.add("a again", prompt).cached_tokens
+    m.audit()
+    return found
+
+
+class RadixNode:
+    """The run of tokens on the edge into this node; children by their first token."""
+    __slots__ = ("tokens", "children")
+
+    def __init__(self, tokens=()):
+        self.tokens, self.children = tuple(tokens), {}
+
+
+def common_length(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class RadixTree:
+    """Every inserted token sequence, each distinct prefix stored once."""
+
+    def __init__(self):
+        self.root = RadixNode()
+
+    def match(self, tokens) -> int:
+        """How many leading tokens of `tokens` some inserted sequence shares."""
+        node, i = self.root, 0
+        while i < len(tokens) and tokens[i] in node.children:
+            child = node.children[tokens[i]]
+            k = common_length(child.tokens, tokens[i:])
+            i += k
+            if k < len(child.tokens):
+                break                       # the match ends inside this edge
+            node = child
+        return i
+
+    def insert(self, tokens) -> None:
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:               # nothing starts like this: a new leaf
+                node.children[tokens[i]] = RadixNode(tokens[i:])
+                return
+            k = common_length(child.tokens, tokens[i:])
+            if k < len(child.tokens):       # split the edge after its first k tokens
+                head = RadixNode(child.tokens[:k])
+                child.tokens = child.tokens[k:]
+                head.children[child.tokens[0]] = child
+                node.children[tokens[i]] = child = head
+            node, i = child, i + k
+
+
+def chat_trace(seed: int = 0, conversations: int = 4, turns: int = 2) -> list:
+    """Conversations that share a system prompt of 37 tokens, each turn's prompt
+    being the whole conversation so far plus a question: a list of (request,
+    prompt, answer)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 1000, 37).tolist()
+    history, trace = {}, []
+    for turn in range(turns):
+        for c in range(conversations):
+            question = rng.integers(0, 1000, int(rng.integers(6, 20))).tolist()
+            answer = rng.integers(0, 1000, int(rng.integers(10, 30))).tolist()
+            prompt = history.get(c, system) + question
+            trace.append((f"c{c}t{turn}", prompt, answer))
+            history[c] = prompt + answer
+    return trace
+
+
+def replay(trace, block_size: int, tree=None) -> list:
+    """Per request: (name, prompt length, found by the radix tree, found by us).
+    Both leave the prompt's last token to compute: the tree matches all but it."""
+    manager = PrefixCachingManager(BlockAllocator(4096, block_size * 4), block_size)
+    tree, rows = RadixTree() if tree is None else tree, []
+    for name, prompt, answer in trace:
+        by_tree = tree.match(prompt[:-1])
+        by_blocks = manager.add(name, prompt).cached_tokens
+        tree.insert(prompt)
+        for token in answer:
+            manager.step([name], [token])
+        tree.insert(prompt + answer)
+        manager.free(name)
+        rows.append((name, len(prompt), by_tree, by_blocks))
+    manager.audit()
+    return rows
+
+
+# ------------------------------------------------------------------------------- the solutions
+def orphans(cache) -> list:
+    """The idle blocks of a :class:`~pagedkv.prefix_cache.CachedBlocks` that no
+    lookup can reach any more: a lookup walks a chain from its first block, so a
+    block is lost once any block before it in its chain (followed by parent serial
+    numbers) is no longer cached."""
+    by_serial = {entry.serial: entry for entry in cache._entry.values()}
+
+    def reachable(entry) -> bool:
+        while entry.parent:                      # 0: the first block of its sequence
+            entry = by_serial.get(entry.parent)
+            if entry is None:
+                return False
+        return True
+
+    return sorted(b for b in cache._idle if not reachable(cache._entry[b]))
+
+
+def window_blocks(num_tokens: int, window: int, block_size: int) -> range:
+    """The logical blocks a sliding-window layer keeps after `num_tokens` tokens:
+    those that hold any of the last `window` tokens, positions max(0, n - window)
+    to n - 1."""
+    first = max(0, num_tokens - window)
+    return range(first // block_size, cdiv(num_tokens, block_size))
+
+
+class PagedRadixTree(RadixTree):
+    """A radix tree whose matches count whole pages of `page_size` tokens only, as
+    SGLang's does with pages larger than a token."""
+
+    def __init__(self, page_size: int):
+        super().__init__()
+        self.page_size = positive_int(page_size, "page_size")
+
+    def match(self, tokens) -> int:
+        return super().match(tokens) // self.page_size * self.page_size
+
+
+# ------------------------------------------------------------------------------------ checks
+def _reachable_by_lookup(manager, sequences) -> set:
+    """Blocks that a prompt made of one of `sequences` (and one more token) would hit."""
+    found = set()
+    for tokens in sequences:
+        found.update(manager._find_prefix(list(tokens) + [0])[0])
+    return found
+
+
+def check_orphans(impl=orphans, seed=14, runs=60, ops=60):
+    """The chapter's experiment by hand (head first: every block after the evicted ones is
+    lost; tail first, pagedkv's order: none), then random runs of requests with shared
+    prefixes in a small pool, freed head first so that orphans arise, against a brute-force
+    oracle: every sequence ever cached looked up again."""
+    print(f"seed={seed}")
+    for k in range(9):
+        head, _ = cache_then_take(HeadFirst, k)
+        tail, _ = cache_then_take(PrefixCachingManager, k)
+        assert len(impl(head.cache)) == (8 - k if 0 < k < 8 else 0), ("head first", k)
+        assert impl(tail.cache) == [], ("tail first", k)
+    rng = random.Random(seed)
+    lost = 0
+    for _ in range(runs):
+        bs = rng.choice([1, 2, 4])
+        m = HeadFirst(BlockAllocator(rng.randrange(6, 16), bs * 4), bs)   # orphans arise
+        stems = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+        seen, live = [], []
+        for op in range(ops):
+            if live and rng.random() < 0.4:
+                m.free(live.pop(rng.randrange(len(live))))   # (its tokens: in seen)
+            else:
+                stem = rng.choice(stems)
+                tokens = stem[:rng.randrange(1, 13)] + [rng.randrange(50)
+                                                       for _ in range(rng.randrange(0, 6))]
+                try:
+                    m.add(op, tokens)
+                except Exception:                # the pool is full: try something else
+                    continue
+                live.append(op)
+                seen.append(tokens)
+            idle = set(m.cache._idle)
+            want = sorted(idle - _reachable_by_lookup(m, seen))
+            assert list(impl(m.cache)) == want, (bs, want)
+            lost += len(want)
+        m.audit()
+    assert lost > 0, "no run lost a block: the random runs test nothing"
+    return {"seed": seed, "runs": runs, "orphans seen": lost}
+
+
+def check_window_blocks(impl=window_blocks, seed=15):
+    """Against a scan of token positions for every length up to 200, and the bound
+    cdiv(window - 1, block_size) + 1."""
     print(f"seed={seed}")
     rng = random.Random(seed)
-    saved = 0
+    cases = [(w, bs) for w in (1, 2, 5, 16, 17, 64) for bs in (1, 2, 4, 16)]
+    cases += [(rng.randrange(1, 100), rng.randrange(1, 20)) for _ in range(30)]
+    for window, bs in cases:
+        for n in range(201):
+            want = sorted({t // bs for t in range(max(0, n - window), n)})
+            got = list(impl(n, window, bs))
+            assert got == want, (n, window, bs, got, want)
+            assert len(got) <= cdiv(window - 1, bs) + 1
+    return {"seed": seed, "window and block sizes": len(cases), "lengths each": 201}
+
+
+def check_PagedRadixTree(impl=PagedRadixTree, seed=16, trials=200):
+    """Against a brute-force match (the longest common prefix with any inserted sequence,
+    rounded down to pages), then request by request against our blocks of the same size on
+    chat traces."""
+    print(f"seed={seed}")
+    rng = random.Random(seed)
     for _ in range(trials):
-        a, b = _forked_managers(rng)
-        plan = plan_transfer(a, b, a.seq_ids)
-        sent, index = impl(plan.pairs)
-        distinct = set(plan.pairs[:, 0].tolist())
-        assert sorted(np.asarray(sent).tolist()) == sorted(distinct), (plan.pairs, sent)
-        index = np.asarray(index)
-        assert index.shape == (len(plan.pairs),) and index.min() >= 0 \
-            and index.max() < len(sent), (plan.pairs, index)
-        src = np.random.default_rng(rng.randrange(2**32)).standard_normal((2, 40, 16))
-        want, got = np.zeros_like(src), np.zeros_like(src)
-        copy_between(src, want, plan.pairs)
-        packed = src[:, np.asarray(sent)]
-        got[:, plan.pairs[:, 1]] = packed[:, index]
-        assert (got == want).all(), plan.pairs.tolist()
-        saved += len(plan.pairs) - len(sent)
-    assert impl(np.zeros((0, 2), dtype=np.int32))[0].size == 0
-    return {"seed": seed, "trials": trials, "blocks_not_sent_twice": saved}
+        page = rng.choice([1, 2, 4, 16])
+        tree, inserted = impl(page), []
+        for _ in range(rng.randrange(1, 8)):
+            base = rng.choice(inserted) if inserted and rng.random() < 0.7 else []
+            seq = base[:rng.randrange(len(base) + 1)] + [rng.randrange(5)
+                                                         for _ in range(rng.randrange(1, 30))]
+            tree.insert(seq)
+            inserted.append(seq)
+            query = rng.choice(inserted)[:rng.randrange(40)] + [rng.randrange(5)]
+            best = max(common_length(query, s) for s in inserted)
+            assert tree.match(query) == best // page * page, (page, query)
+    for trace_seed in range(3):
+        trace = chat_trace(trace_seed)
+        for page in (4, 16):
+            for name, _, by_tree, by_blocks in replay(trace, page, impl(page)):
+                assert by_tree == by_blocks, (trace_seed, page, name, by_tree, by_blocks)
+    return {"seed": seed, "trees": trials, "chat traces": 3}
 
 
-def check_tp_block_bytes(impl=tp_block_bytes):
-    """Hand-worked cases: an even split, one KV head per rank, more ranks than heads."""
-    llama70b = KVSpec(layers=80, kv_heads=8, head_dim=128, dtype="float16")
-    whole = llama70b.block_bytes(16)
-    cases = {1: whole, 2: whole // 2, 8: whole // 8, 16: whole // 8}
-    for world, want in cases.items():
-        got = impl(llama70b, 16, world)
-        assert got == want, (world, got, want)
-    tiny = KVSpec(layers=2, kv_heads=2, head_dim=64, dtype="float32")
-    assert impl(tiny, 4, 2) == 4 * 2 * 2 * 1 * 64 * 4
-    return {world: impl(llama70b, 16, world) for world in cases}
+# ---------------------------------------------------- wrong answers the checks must reject
+def _orphans_parent_only(cache):
+    """Only blocks whose own parent is gone: misses the rest of a broken chain."""
+    serials = {entry.serial for entry in cache._entry.values()}
+    return sorted(b for b in cache._idle
+                  if cache._entry[b].parent and cache._entry[b].parent not in serials)
+
+
+def _orphans_by_block_id(cache):
+    """Follows parents by block id order instead of serial numbers."""
+    return sorted(b for b in cache._idle if b - 1 >= 0 and b - 1 not in cache._entry
+                  and cache._entry[b].parent)
+
+
+def _window_from_a_negative_block(num_tokens, window, block_size):
+    return range((num_tokens - window) // block_size, cdiv(num_tokens, block_size))
+
+
+def _window_of_whole_blocks(num_tokens, window, block_size):
+    last = cdiv(num_tokens, block_size)
+    return range(max(0, last - cdiv(window, block_size)), last)
+
+
+def _window_one_token_too_many(num_tokens, window, block_size):
+    return range(max(0, num_tokens - window - 1) // block_size, cdiv(num_tokens, block_size))
+
+
+class _TreeRoundingUp(RadixTree):
+    def __init__(self, page_size):
+        super().__init__()
+        self.page_size = page_size
+
+    def match(self, tokens):
+        return min(cdiv(super().match(tokens), self.page_size) * self.page_size, len(tokens))
+
+
+class _TreeUnpaged(RadixTree):
+    def __init__(self, page_size):
+        super().__init__()
 
 
 WRONG = {
-    "wire_plan": [
-        lambda pairs: (np.asarray(pairs)[:, 0], np.arange(len(pairs))),  # sends them all
-        lambda pairs: (lambda src: (np.unique(src), np.unique(src, return_index=True)[1]
-                                    [np.unique(src, return_inverse=True)[1]]))(
-            np.asarray(pairs, dtype=np.int64).reshape(-1, 2)[:, 0]),  # index into pairs
-        lambda pairs: (lambda s: (s, np.arange(len(pairs)) % max(1, len(s))))(
-            np.array(list(dict.fromkeys(np.asarray(pairs)[:, 0].tolist())))),
-    ],
-    "tp_block_bytes": [
-        lambda spec, bs, world: spec.block_bytes(bs) // world,           # 16 ranks: 1/16
-        lambda spec, bs, world: bs * 2 * spec.layers * -(-spec.kv_heads // world)
-        * spec.head_dim,                                                 # itemsize left out
-    ],
+    "orphans": [_orphans_parent_only, _orphans_by_block_id],
+    "window_blocks": [_window_from_a_negative_block, _window_of_whole_blocks,
+                      _window_one_token_too_many],
+    "PagedRadixTree": [_TreeRoundingUp, _TreeUnpaged],
 }

@@ -1,4 +1,4 @@
-"""Tests of pagedkv.plots.server: the pictures of chapter 13."""
+"""Tests of pagedkv.plots.server: the pictures of chapter 15."""
 from __future__ import annotations
 
 import pytest

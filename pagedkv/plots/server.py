@@ -1,4 +1,4 @@
-"""Pictures of the HTTP server (chapter 13): where a request goes on its way to the engine
+"""Pictures of the HTTP server (chapter 15): where a request goes on its way to the engine
 and back, and the block maps a streamed answer carries.
 
 Both return a :class:`matplotlib.figure.Figure` built without ``pyplot``.

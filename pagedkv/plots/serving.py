@@ -1,5 +1,5 @@
 """Pictures of serving under load: when each request got its tokens, with and without a token
-budget (chapter 15)."""
+budget (chapter 13)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt

@@ -1,8 +1,8 @@
 """``python -m pagedkv.serve``: load the model, start the engine loop, serve HTTP.
 
-The defaults are the fast engine on a GPU (chapter 14's runner with a CUDA graph per batch
+The defaults are the fast engine on a GPU (chapter 12's runner with a CUDA graph per batch
 bucket, every graph captured before the first request, the token budget and chunked
-prefill of chapter 15) and the plain one on a CPU. The process exits with status 0 after
+prefill of chapter 13) and the plain one on a CPU. The process exits with status 0 after
 Ctrl-C or SIGTERM (the loop stopped, open streams ended), and with status 1 if the engine
 dies, so that a supervisor can start it again.
 """
@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runner", default="auto", choices=["auto", "plain", "fast"],
                    help="auto (default): fast on a GPU, plain on a CPU; plain: chapter 10's "
                         "forward pass; fast: fused kernels, static buffers and CUDA graphs "
-                        "on a GPU (chapter 14), on pagedkv.fast's bookkeeping")
+                        "on a GPU (chapter 12), on pagedkv.fast's bookkeeping")
     p.add_argument("--engine", default="process", choices=["process", "thread"],
                    help="where the engine runs: a process of its own (default: the HTTP "
                         "layer never waits for it) or a thread of the server's (chapter "
