@@ -173,9 +173,11 @@ def run(args) -> dict:
     else:
         from pagedkv.model import load_gguf
         from pagedkv.model.gguf import model_path
-        model = Llama(*_checkpoint(load_gguf(model_path(args.gguf))))
+        ckpt = load_gguf(model_path(args.gguf))
+        model = Llama(ckpt.config, ckpt.weights)
         name, bs, chunks, short = "SmolLM2-135M-Instruct", [64, 256], [512, 2048], 32
         context, reps = args.context, max(20, args.reps or 30)
+    bs, chunks = args.batches or bs, args.chunks or chunks
     r = dict(model=name, dtype=str(model.dtype), backend=backend.describe(),
              date=datetime.datetime.now().isoformat(timespec="seconds"),
              command="python perf/mixed_step.py " + " ".join(sys.argv[1:]),
@@ -212,10 +214,6 @@ def run(args) -> dict:
     return r
 
 
-def _checkpoint(ckpt):
-    return ckpt.config, ckpt.weights
-
-
 def _route(runner, pb, db) -> str:
     """Which way ``runner.mixed`` went for these batches."""
     if runner._short(pb, beside=len(db.tokens)):
@@ -232,7 +230,11 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", help="the model file (default: $PAGEDKV_GGUF or the package's)")
     p.add_argument("--context", type=int, default=512,
                    help="tokens in the cache per decode row (default 512)")
-    p.add_argument("--reps", type=int, help="repetitions per time (default 30; quick 5)")
+    p.add_argument("--reps", type=int, help="repetitions per time (default 30, at least 20; "
+                   "quick 5)")
+    p.add_argument("--batches", type=int, nargs="+", help="decode rows B (default 64 256)")
+    p.add_argument("--chunks", type=int, nargs="+",
+                   help="prefill chunk sizes C (default 512 2048; a short one is added)")
     p.add_argument("--pass-tokens", type=int, default=8192,
                    help="tokens per prefill pass when filling the cache")
     args = p.parse_args(argv)
