@@ -308,7 +308,7 @@ def traced_events(model, prompt, b, runner, bk, steps, max_context, warm=3):
 def trace_section(model, prompt, batches, steps, max_context) -> dict:
     import torch
     torch.zeros(1, device="cuda")                   # CUDA initialised for the profiler
-    out = {"torch": torch.__version__}
+    out: dict = {}
     for b in batches:
         for runner, bk in TRACED:
             t = time.time()
@@ -324,6 +324,10 @@ def trace_section(model, prompt, batches, steps, max_context) -> dict:
                     r.pop(key)
             out.setdefault(runner, {})[str(b)] = r
             m = r["median"]
+            if not m["host_launches"] or not m["gpu_kernels"]:
+                r["warning"] = ("no launch call or no kernel matched: read api_calls "
+                                "and the raw trace before using these counts")
+                log(f"  WARNING {runner} batch {b}: {r['warning']}")
             log(f"  traced {runner:>10} batch {b:>3}: {m['host_launches']:5.0f} launches "
                 f"({m['graph_launches']:.0f} graph), {m['gpu_kernels']:5.0f} kernels, "
                 f"{m['host_waits']:.0f} waits ({m['host_wait_us']:.0f} µs), GPU busy "
@@ -366,9 +370,10 @@ def run(args) -> dict:
     if args.dry:
         r["trace"] = {"synthetic": True, "runs": parse_trace(synthetic_trace())}
     else:
+        runs = trace_section(model, prompt, batches, args.steps, args.max_context)
         r["trace"] = {"synthetic": False, "steps": args.steps,
-                      "runs": trace_section(model, prompt, batches, args.steps,
-                                            args.max_context)}
+                      "torch": sys.modules["torch"].__version__, "runs": runs}
+    r["trace"].update(launch_calls=sorted(LAUNCH), wait_calls=sorted(WAIT))
     r["machine"] = machine()
     r["seconds"] = round(time.time() - t0, 1)
     save(args.json, r)
