@@ -1,7 +1,6 @@
-"""What one decode step issues and runs, read from a profiler trace, and the fast path's gain
-taken apart, on a GPU machine.
+"""A decode step traced (launches, kernels, waits, GPU busy time); the fast path's gain apart.
 
-    PAGEDKV_GGUF=/path/SmolLM2.gguf python perf/step_trace.py --json OUT.json   # ~1-2 min, H200
+    PAGEDKV_GGUF=/path/SmolLM2.gguf python perf/step_trace.py --json OUT.json   # a GPU
     python perf/step_trace.py --dry --json OUT.json     # no GPU: a tiny random model on NumPy
 
 One process, SmolLM2-135M-Instruct in float16 (loaded as ``pagedkv.bench.model`` loads it),
@@ -22,7 +21,9 @@ the chat prompt of that benchmark, at batch 1 and 64 (``--batches``). Two sectio
   host issued (runtime and driver launch calls, a graph launch counted as one; a driver call
   made inside a runtime call is that call's), the graph launches among them, the host's waits
   for the device (synchronising calls) and their time, the kernels the GPU ran and its busy
-  time (the union of kernels and copies), and the step's wall time under the profiler (which
+  time (the union of kernels and copies; a kernel is the step's through the correlation id
+  of the call that launched it, or, if no call of the trace has that id, by its start time:
+  ``gpu_unmatched`` counts those), and the step's wall time under the profiler (which
   adds a few µs to every API call: the ``timing`` section has the true step times). For one
   step of each at the first batch: a timeline (host launch calls, host waits, GPU kernels,
   µs from the step's start), kernels by name and API calls by name.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import datetime
+import gzip
 import json
 import os
 import pathlib
@@ -133,6 +135,9 @@ def parse_trace(events, timeline_step: int | None = None) -> dict:
     by_corr: dict = {}
     for e in gpu:
         by_corr.setdefault(e.get("args", {}).get("correlation"), []).append(e)
+    api_corrs = {e.get("args", {}).get("correlation") for e in api} - {None}
+    orphans = sorted((e for e in gpu if e.get("args", {}).get("correlation") not in api_corrs),
+                     key=lambda e: e["ts"])         # no API call of the trace launched them
     out: dict = {}
     for s in steps:
         label = s["name"][len(STEP_PREFIX):].rsplit(":", 1)[0]
@@ -142,6 +147,8 @@ def parse_trace(events, timeline_step: int | None = None) -> dict:
         waits = [e for e in calls if api_name(e["name"]) in WAIT]
         corrs = {e.get("args", {}).get("correlation") for e in calls} - {None}
         dev = [g for c in sorted(corrs) for g in by_corr.get(c, [])]
+        unmatched = [g for g in orphans if t0 <= g["ts"] <= t1]    # placed by time instead
+        dev += unmatched
         kernels = [g for g in dev if g["cat"] == "kernel"]
         row = {"wall_us": s["dur"], "host_launches": len(launches),
                "graph_launches": sum(api_name(e["name"]) in GRAPH_LAUNCH for e in launches),
@@ -149,7 +156,8 @@ def parse_trace(events, timeline_step: int | None = None) -> dict:
                "host_launch_call_us": sum(e.get("dur", 0) for e in launches),
                "gpu_kernels": len(kernels), "gpu_copies": len(dev) - len(kernels),
                "gpu_busy_us": busy_us(_spans(dev)),
-               "gpu_kernel_us": sum(g.get("dur", 0) for g in kernels)}
+               "gpu_kernel_us": sum(g.get("dur", 0) for g in kernels),
+               "gpu_unmatched": len(unmatched)}
         entry = out.setdefault(label, {"steps": [], "_raw": []})
         entry["steps"].append(row)
         entry["_raw"].append((t0, launches, waits, dev, calls))
@@ -276,7 +284,7 @@ def runner_only(model, prompt, batches, max_context, n=20, rounds=3) -> dict:
     return out
 
 
-def traced_events(model, prompt, b, runner, bk, steps, max_context, warm=3):
+def traced_events(model, prompt, b, runner, bk, steps, max_context, warm=3, raw_dir=None):
     """Chrome-trace events of ``steps`` engine steps under torch.profiler, each step in a
     ``record_function`` range named ``STEP_PREFIX + runner + ':' + index``, and the node
     count of each graph the runner captured."""
@@ -300,19 +308,24 @@ def traced_events(model, prompt, b, runner, bk, steps, max_context, warm=3):
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
+        if raw_dir:                                 # the raw trace, for a second look
+            with open(path, "rb") as f, gzip.open(os.path.join(
+                    raw_dir, f"trace-{runner}-b{b}.json.gz"), "wb") as g:
+                g.write(f.read())
     graphs = getattr(engine.runner, "_graphs", {})
     nodes = {str(k): engine.runner.graph_nodes(k) for k in graphs}
     return events, nodes
 
 
-def trace_section(model, prompt, batches, steps, max_context) -> dict:
+def trace_section(model, prompt, batches, steps, max_context, raw_dir=None) -> dict:
     import torch
     torch.zeros(1, device="cuda")                   # CUDA initialised for the profiler
     out: dict = {}
     for b in batches:
         for runner, bk in TRACED:
             t = time.time()
-            events, nodes = traced_events(model, prompt, b, runner, bk, steps, max_context)
+            events, nodes = traced_events(model, prompt, b, runner, bk, steps, max_context,
+                                          raw_dir=raw_dir)
             parsed = parse_trace(events)
             if runner not in parsed:
                 raise RuntimeError(f"no step of {runner!r} in the trace ({len(events)} "
@@ -370,7 +383,10 @@ def run(args) -> dict:
     if args.dry:
         r["trace"] = {"synthetic": True, "runs": parse_trace(synthetic_trace())}
     else:
-        runs = trace_section(model, prompt, batches, args.steps, args.max_context)
+        if args.raw_dir:
+            os.makedirs(args.raw_dir, exist_ok=True)
+        runs = trace_section(model, prompt, batches, args.steps, args.max_context,
+                             args.raw_dir)
         r["trace"] = {"synthetic": False, "steps": args.steps,
                       "torch": sys.modules["torch"].__version__, "runs": runs}
     r["trace"].update(launch_calls=sorted(LAUNCH), wait_calls=sorted(WAIT))
@@ -396,6 +412,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="batch sizes (default 1 64; 1 8 with --dry)")
     p.add_argument("--steps", type=int, default=5, help="traced steps per engine")
+    p.add_argument("--raw-dir", metavar="DIR", help="also keep each raw chrome trace there "
+                   "(gzipped, a few MB each)")
     p.add_argument("--timing-steps", type=int, default=24, help="timed steps (default 24)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs, the best kept")
     p.add_argument("--max-context", type=int, default=1024,

@@ -61,3 +61,12 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
     assert set(r["timing"]["runner_ms"]) == {"plain", "fast-eager", "fast"}
     assert {"date", "command", "machine"} <= set(r)
     assert re.search(r"runner +plain batch +2:", capsys.readouterr().out)
+
+
+def test_a_kernel_without_its_launch_call_is_placed_by_time():
+    events = st.synthetic_trace() + [
+        {"ph": "X", "cat": "kernel", "name": "orphan", "ts": 50.0, "dur": 4.0, "pid": 1,
+         "tid": 9, "args": {"correlation": 999}}]
+    m = st.parse_trace(events)["eager"]["median"]
+    assert (m["gpu_kernels"], m["gpu_unmatched"], m["gpu_busy_us"]) == (4, 1, 20.0)
+    assert st.parse_trace(st.synthetic_trace())["eager"]["median"]["gpu_unmatched"] == 0
