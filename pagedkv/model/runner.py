@@ -37,7 +37,8 @@ from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mu
 from ..kernels.gemm import gemm
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward, prefill_attention
 
-__all__ = ["ModelRunner", "FastRunner", "buckets", "GRAPH_PREFILL_TOKENS"]
+__all__ = ["ModelRunner", "FastRunner", "buckets", "graph_node_count",
+           "GRAPH_PREFILL_TOKENS"]
 
 #: A prefill whose rows read at most this many tokens of K/V in all (each row its prefix,
 #: the decode way) and fit one graph bucket replays the decode graph instead of running
@@ -387,6 +388,36 @@ class FastRunner(ModelRunner):
                     self._capture(b, v)
         self.stream.synchronize()
         return len(self._graphs)
+
+    def graph_nodes(self, b: int) -> int | None:
+        """Nodes (kernels and copies) of bucket ``b``'s captured graph, or None when it has
+        none or the count cannot be read (:func:`graph_node_count`)."""
+        graph = self._graphs.get(b)
+        return None if graph is None else graph_node_count(graph)
+
+
+def graph_node_count(graph) -> int | None:
+    """The nodes of a captured ``cupy.cuda.graph.Graph`` (its ``graph`` attribute is the
+    ``cudaGraph_t`` handle): through cuda-bindings' ``cudaGraphGetNodes`` if installed, else
+    the driver's ``cuGraphGetNodes`` by ctypes (a ``cudaGraph_t`` is a ``CUgraph``); None
+    when neither answers."""
+    handle = int(graph.graph)
+    try:
+        from cuda.bindings import runtime as rt
+        answer = rt.cudaGraphGetNodes(handle, 0)       # (error, nodes: none asked, count)
+        if answer[0] == rt.cudaError_t.cudaSuccess:
+            return int(answer[-1])
+    except Exception:                                  # not installed, or another API
+        pass
+    try:
+        import ctypes
+        count = ctypes.c_size_t(0)
+        if ctypes.CDLL("libcuda.so.1").cuGraphGetNodes(
+                ctypes.c_void_p(handle), None, ctypes.byref(count)) == 0:
+            return int(count.value)
+    except Exception:
+        pass
+    return None
 
 
 def _as_rows(batch: Batch) -> Batch:
