@@ -14,9 +14,10 @@ Only a cell's first mention of each chapter is linked (``--every``: all of them)
 where the cell links that chapter already. Left alone: mentions inside a role or a link,
 inside code (spans and fenced blocks), in headings, on a directive's opening line (an
 exercise's title) and its option lines, numbers that are no chapter of the book, and a
-chapter's mentions of itself. Running it twice changes nothing the second time. With
-``--check`` nothing is written; the exit status is 1 if a file would change (each mention
-that would be linked is listed), 0 otherwise.
+chapter's mentions of itself. A line that a link pushes past 96 columns is re-broken (the
+paragraph's following lines flow on from it). Running it twice changes nothing the second
+time. With ``--check`` nothing is written; the exit status is 1 if a file would change (each
+mention that would be linked is listed), 0 otherwise.
 """
 from __future__ import annotations
 
@@ -165,11 +166,62 @@ def _link_gap(gap: str, chapters: dict[int, str], self_number, found: list,
             linked.update(chapters[v] for v in new)
         found.append(m.group(0).replace("\n", " "))
         if len(values) == 1:                      # the word goes inside the link
-            return f"{{doc}}`{word} {values[0]} <{chapters[values[0]]}>`"
+            return f"{{doc}}`{word}{space}{values[0]} <{chapters[values[0]]}>`"
         return word + space + NUMBER.sub(
             lambda n: (f"{{doc}}`{n.group(0)} <{chapters[int(n.group(0))]}>`"
                        if int(n.group(0)) in new else n.group(0)), numbers)
     return MENTION.sub(one, gap)
+
+
+BLOCK_START = re.compile(r"\s*(?:[-*+]\s|\d+[.)]\s|#|>|\||`{3}|~{3}|:|=+\s*$|-+\s*$)")
+LIST_ITEM = re.compile(r"\s*(?:[-*+]|\d+[.)])\s+")
+
+
+def rewrap(old: str, new: str, width: int = 96) -> str:
+    """Re-break the lines of ``new`` that linking pushed past ``width`` (lines that were
+    longer before are left as they were): the words past the width move to the start of
+    the paragraph's next line, which is broken in turn, or to a line of their own at the
+    paragraph's end. A line is never broken so that the next one would start a new block
+    (a list item, a heading, a table row, a fence), and table rows are left whole."""
+    old_lines, lines = old.split("\n"), new.split("\n")
+    if len(old_lines) != len(lines):
+        return new
+    for i in reversed(range(len(lines))):
+        if lines[i] == old_lines[i] or len(lines[i]) <= width or len(old_lines[i]) > width \
+                or lines[i].lstrip().startswith("|"):
+            continue
+        j, line = i, lines[i]
+        while len(line) > width:
+            cut = _break_at(line, width)
+            if cut is None:
+                break
+            lines[j], tail = line[:cut].rstrip(), line[cut:].strip()
+            nxt = lines[j + 1] if j + 1 < len(lines) else ""
+            if nxt.strip() and not BLOCK_START.match(nxt):
+                j += 1                                    # the paragraph goes on: join it
+                line = nxt[:len(nxt) - len(nxt.lstrip())] + tail + " " + nxt.lstrip()
+            else:                                         # its last line: a new one
+                item = LIST_ITEM.match(lines[j])
+                indent = " " * item.end() if item else lines[j][:len(lines[j])
+                                                                - len(lines[j].lstrip())]
+                lines.insert(j + 1, indent + tail)
+                j, line = j + 1, indent + tail
+        lines[j] = line
+    return "\n".join(lines)
+
+
+def _break_at(line: str, width: int):
+    """Where to break ``line``: the last space within ``width``, outside roles and code
+    spans, after which no new block would start, past the line's indentation and list
+    marker; None if there is none."""
+    item = LIST_ITEM.match(line)
+    start = item.end() if item else len(line) - len(line.lstrip())
+    inside = [m.span() for m in PROTECTED.finditer(line)]      # no break inside a role
+    for k in range(min(width, len(line) - 1), start, -1):
+        if line[k] == " " and line[k - 1] != " " and not BLOCK_START.match(line[k + 1:]) \
+                and not any(a < k < b for a, b in inside):
+            return k
+    return None
 
 
 def process(path: pathlib.Path, chapters: dict[int, pathlib.Path], write: bool,
@@ -191,6 +243,7 @@ def process(path: pathlib.Path, chapters: dict[int, pathlib.Path], write: bool,
         text = "".join(src) if isinstance(src, list) else src
         new, found = link_text(text, targets, self_number, every)
         if new != text:
+            new = rewrap(text, new)
             cell["source"] = new.splitlines(keepends=True) if isinstance(src, list) else new
             changes += [(i, f) for f in found]
     if changes and write:

@@ -74,3 +74,20 @@ def test_check_mode_on_a_notebook(tmp_path):
     assert cells[0]["source"] == [f"See {{doc}}`chapter 9 <{target}>`.\n"]
     assert cells[1]["source"] == ["# chapter 9\n"]       # code cells are not touched
     assert lc.main(["--check", str(path)]) == 0
+
+
+def test_a_lengthened_line_is_rebroken_and_the_paragraph_flows_on():
+    old = ("We have a pool of blocks (chapter 3) and page tables that map a sequence's tokens "
+           "into them\n(chapter 4). A serving engine runs many sequences at once.\n"
+           "- a list item stays one\n")
+    new = lc.rewrap(old, link(old))
+    lines = new.split("\n")
+    assert max(map(len, lines)) <= 96, lines
+    assert lines[-2] == "- a list item stays one"
+    words = lambda t: t.split()
+    assert words(new) == words(old.replace("(chapter 3)", "({doc}`chapter 3 <03_allocator>`)")
+                               .replace("(chapter 4)", "({doc}`chapter 4 <04_page_table>`)"))
+    assert all("{doc}`chapter" not in line or line.count("`") % 2 == 0 for line in lines)
+    item = "1. **Counts.** Remember how many owners each block has, since chapter 7 lets several\n"
+    out = lc.rewrap(item, link(item)).split("\n")
+    assert out[1].startswith("   ") and not out[1].startswith("    ")   # inside the item
