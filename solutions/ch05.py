@@ -47,7 +47,7 @@ def check_new_blocks_for_step(impl=new_blocks_for_step, seed=11, trials=300):
             used = m.allocator.num_used
             m.step()
             assert impl(lengths, m.block_size) == m.allocator.num_used - used, lengths
-    return {"seed": seed, "trials": trials}
+    return {"trials": trials}
 
 
 def check_internal_fragmentation(impl=internal_fragmentation, seed=13, trials=300):
@@ -60,7 +60,7 @@ def check_internal_fragmentation(impl=internal_fragmentation, seed=13, trials=30
         got, want = impl(lengths, m.block_size), m.stats().internal_fragmentation
         assert abs(got - want) < 1e-12, (lengths, m.block_size, got, want)
     assert impl([], 4) == 0.0 and impl([4, 8], 4) == 0.0 and impl([1], 4) == 0.75
-    return {"seed": seed, "trials": trials}
+    return {"trials": trials}
 
 
 WRONG = {

@@ -67,7 +67,7 @@ def check_preempt_longest(impl=preempt_longest, seed=4, trials=300):
     assert run.completions == 40 and run.preemptions > 0 and run.corrupted_tokens == 0
     assert run.prefill_tokens == sum(r.prompt for r in workload.requests) + run.recomputed_tokens
     policy.manager.audit()
-    return {"seed": seed, "batches": trials, "preemptions in the served run": run.preemptions}
+    return {"batches": trials, "preemptions in the served run": run.preemptions}
 
 
 def check_expected_length(impl=expected_length, seed=0, n=200_000):
@@ -82,7 +82,7 @@ def check_expected_length(impl=expected_length, seed=0, n=200_000):
             got = impl(sim.PRESETS[name][part])
             tolerance = 4 * drawn.std() / math.sqrt(n)
             assert abs(got - drawn.mean()) < tolerance, (name, part, got, drawn.mean())
-    return {"seed": seed, "presets": len(sim.PRESETS), "draws each": n}
+    return {"presets": len(sim.PRESETS), "draws each": n}
 
 
 # ---------------------------------------------------- wrong answers the checks must reject

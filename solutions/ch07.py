@@ -103,7 +103,7 @@ def check_count_copies(impl=count_copies, seed=6, trials=200):
     sim.beam_search(kv, 0, 10, 30, 4, np.random.default_rng(0))
     schedule = beam_schedule(0, 30, 4)
     assert impl(10, 4, schedule) == kv.copies, (impl(10, 4, schedule), kv.copies)
-    return {"seed": seed, "schedules": trials, "copies in the chapter's search": kv.copies}
+    return {"schedules": trials, "copies in the chapter's search": kv.copies}
 
 
 def check_parallel_blocks(impl=parallel_blocks, seed=8, trials=300):
@@ -116,7 +116,7 @@ def check_parallel_blocks(impl=parallel_blocks, seed=8, trials=300):
         kv = sim.CheckedKV(4096 * sim.SIM_SPEC.block_bytes(bs), bs, write=False)
         want = sim.parallel_sampling(kv, 0, prompt, output, n)
         assert tuple(impl(prompt, output, n, bs)) == want, (prompt, output, n, bs, want)
-    return {"seed": seed, "trials": trials}
+    return {"trials": trials}
 
 
 # ---------------------------------------------------- wrong answers the checks must reject

@@ -129,7 +129,7 @@ def check_write_kv_numpy(impl=write_kv_numpy, seed=9, trials=200):
             else:
                 raise AssertionError(f"slot {bad.max()} of a {blocks * bs}-slot cache accepted")
             assert np.array_equal(cache, before), "a refused write changed the cache"
-    return {"seed": seed, "trials": trials}
+    return {"trials": trials}
 
 
 def _part(q, k, v, scale):
@@ -164,7 +164,7 @@ def check_merge_partials(impl=merge_partials, seed=10, trials=300):
     empty = _part(np.ones((2, 4)), np.zeros((0, 4)), np.zeros((0, 4)), 0.5)
     o, lse = impl(*empty, *empty)
     assert np.array_equal(o, np.zeros((2, 4))) and np.isneginf(lse).all(), (o, lse)
-    return {"seed": seed, "trials": trials}
+    return {"trials": trials}
 
 
 def _case(rng, lens, q_heads, kv_heads, d, bs):
@@ -202,7 +202,7 @@ def check_online_mirror(impl=online_mirror, seed=12, trials=12):
         assert got.shape == ref.shape and np.isfinite(got).all(), (lens, trip)
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err < 2e-3, (lens, group, d, trip, err)
-    return {"seed": seed, "cases": trials}
+    return {"cases": trials}
 
 
 def check_warp_trip_scores(impl=warp_trip_scores, seed=13, trials=30):
@@ -218,7 +218,7 @@ def check_warp_trip_scores(impl=warp_trip_scores, seed=13, trials=30):
         want = rows.astype(np.float64) @ q.astype(np.float64)
         assert got.shape == want.shape and np.allclose(got, want, rtol=1e-4, atol=1e-3), (
             d, got, want)
-    return {"seed": seed, "trials": trials, "head_dims": [64, 128, 256]}
+    return {"trials": trials, "head_dims": [64, 128, 256]}
 
 
 # ---------------------------------------------------- wrong answers the checks must reject

@@ -94,7 +94,7 @@ def check_kv_spec_from_hf(impl=kv_spec_from_hf, seed=12, trials=300):
             dim = config["head_dim"] = rng.choice([64, 128, 256])
         want = 2 * config["num_hidden_layers"] * kv * dim * sizes[config["torch_dtype"]]
         assert impl(config).bytes_per_token == want, config
-    return {"seed": seed, "configs": trials + len(KNOWN)}
+    return {"configs": trials + len(KNOWN)}
 
 
 #: The tiny random Llama of the tests (two layers), fast enough for CI.
@@ -114,7 +114,7 @@ def check_greedy_paged(impl=greedy_paged, seed=1234, prompts=4, new_tokens=24):
         for bs in (1, 4, 16):
             got = impl(model, prompt, new_tokens, num_blocks=64, block_size=bs)
             assert list(got) == want.generated, (n, bs, got, want.generated)
-    return {"seed": seed, "prompts": prompts, "tokens each": new_tokens}
+    return {"prompts": prompts, "tokens each": new_tokens}
 
 
 # ---------------------------------------------------- wrong answers the checks must reject

@@ -76,7 +76,7 @@ def check_wire_plan(impl=wire_plan, seed=16, trials=200):
         assert (got == want).all(), plan.pairs.tolist()
         saved += len(plan.pairs) - len(sent)
     assert impl(np.zeros((0, 2), dtype=np.int32))[0].size == 0
-    return {"seed": seed, "trials": trials, "blocks_not_sent_twice": saved}
+    return {"trials": trials, "blocks_not_sent_twice": saved}
 
 
 def check_tp_block_bytes(impl=tp_block_bytes):
@@ -168,7 +168,7 @@ def check_plan_transfer_freeing(impl=plan_transfer_freeing, seed=14, trials=100)
     assert (a.seq_ids, a.allocator.free_blocks()) == before, "a refused plan freed"
     wrong = send_after_next_prefill(impl)
     assert wrong > 0, "freed at plan time, the next prefill should overwrite the blocks"
-    return {"seed": seed, "trials": trials, "values wrong after the next prefill": wrong}
+    return {"trials": trials, "values wrong after the next prefill": wrong}
 
 
 def check_send_after_next_prefill(impl=send_after_next_prefill):

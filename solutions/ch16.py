@@ -278,7 +278,7 @@ def check_QueueAllocator(impl=QueueAllocator, seed=17, trials=60, ops=80):
                 live.append(op)
             assert ours.cache.evictions == theirs.cache.evictions
         theirs.audit()
-    return {"seed": seed, "vLLM's order": order == VLLM_TEST_ORDER,
+    return {"vLLM's order": order == VLLM_TEST_ORDER,
             "allocator runs": trials, "prefix-caching runs": trials}
 
 
@@ -327,7 +327,7 @@ def check_orphans(impl=orphans, seed=14, runs=60, ops=60):
             lost += len(want)
         m.audit()
     assert lost > 0, "no run lost a block: the random runs test nothing"
-    return {"seed": seed, "runs": runs, "orphans seen": lost}
+    return {"runs": runs, "orphans seen": lost}
 
 
 def check_window_blocks(impl=window_blocks, seed=15):
@@ -343,7 +343,7 @@ def check_window_blocks(impl=window_blocks, seed=15):
             got = list(impl(n, window, bs))
             assert got == want, (n, window, bs, got, want)
             assert len(got) <= cdiv(window - 1, bs) + 1
-    return {"seed": seed, "window and block sizes": len(cases), "lengths each": 201}
+    return {"window and block sizes": len(cases), "lengths each": 201}
 
 
 def check_PagedRadixTree(impl=PagedRadixTree, seed=16, trials=200):
@@ -369,7 +369,7 @@ def check_PagedRadixTree(impl=PagedRadixTree, seed=16, trials=200):
         for page in (4, 16):
             for name, _, by_tree, by_blocks in replay(trace, page, impl(page)):
                 assert by_tree == by_blocks, (trace_seed, page, name, by_tree, by_blocks)
-    return {"seed": seed, "trees": trials, "chat traces": 3}
+    return {"trees": trials, "chat traces": 3}
 
 
 # ---------------------------------------------------- wrong answers the checks must reject
