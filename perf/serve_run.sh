@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# In-process serving benchmarks on a CUDA machine without a package index, in one call: the
+# model file joined from its parts (an earlier call copies .bigfile/part00 to /tmp/model.part00,
+# this one brings .bigfile/part01, .bigfile/sha256 and the gguf wheel in .whls), then python -m pagedkv.bench.serve on
+# nano-vllm's workload and on the spike (one 4,096-token prompt into 64 decodes) at each token
+# budget of BUDGETS. JSON and logs under $OUT, named $NAME-*.
+# Usage: NAME=serve-h200-DATE-TAG BUDGETS="256 512 2048" bash perf/serve_run.sh [bench flags]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-artifacts/serve}; name=${NAME:-serve-h200}
+mkdir -p "$out"
+model=/tmp/model.gguf
+if [ ! -e "$model" ]; then cat /tmp/model.part00 .bigfile/part01 > "$model"; fi
+echo "$(cat .bigfile/sha256)  $model" | sha256sum -c - || exit 1
+if [ ! -e /tmp/site/gguf ]; then       # the GGUF reader (WHEELS, default .whls)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    "${WHEELS:-.whls}"/gguf-*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PAGEDKV_GGUF=$model PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+status=0
+run() {   # run NAME ARGS...: one benchmark, its JSON and log
+  local tag=$1; shift
+  timeout 300 python3 -m pagedkv.bench.serve --no-peer --json "$out/$tag.json" "$@" 2>&1 \
+    | tee "$out/$tag.log" | grep -v "it/s]$" | tail -${TAIL:-14} || status=1
+}
+[ -z "${NO_WORKLOAD:-}" ] && run "$name" "$@"
+for budget in ${BUDGETS:-}; do
+  run "$(echo "$name" | sed 's/^serve-/serve-spike-b'"$budget"'-/')" --spike 4096 \
+    --token-budget "$budget" "$@"
+done
+exit $status
