@@ -116,7 +116,7 @@ class _Clock(sim.Observer):
         for rid, n in zip(batch.ids, batch.lens.tolist()):
             before = self.lens.get(rid, 0)
             tokens += n - before
-            prefilled |= before < self.prompt[rid] < n or before < n <= self.prompt[rid]
+            prefilled |= before < self.prompt[rid] and n > before
             decoders_grew += before > self.prompt[rid] and n > before
             got = max(0, n - max(before, self.prompt[rid]))
             self.outputs.setdefault(rid, []).extend([step] * got)
@@ -151,6 +151,7 @@ def spike_in_sim(scheduler=Scheduler, *, prompt=4096, running=64, budget=512, at
         out[unit] = {"worst_gap": max(during), "median_gap": float(np.median(
             [b - a for a, b in gaps])), "ttft": t[first] - t[at]}
     return out, clock
+
 
 # ------------------------------------------------------------------------------------ checks
 def _served(prompt: int, running: int, budget: int) -> int:
@@ -243,7 +244,7 @@ def check_PrefillFirst(impl=PrefillFirst, seed=22):
     policy = sim.make_policy("paged:16", 64 * sim.MiB, trace.max_len)
     run = sim.serve(trace, policy, token_budget=256, chunked_prefill=True,
                     observers=[clock], scheduler=impl)
-    assert run.completions == len(trace)
+    assert run.completions == len(trace) and run.preemptions == 0   # (lengths only grow)
     _check_steps(clock, 256)
     return {"cases": cases + 1}
 
