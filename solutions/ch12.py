@@ -1,15 +1,16 @@
 """Chapter 12 (a decode step in a millisecond): counting the operations of a fast decode pass,
-and padding a batch up to its bucket.
+padding a batch up to its bucket, and a residual addition fused with the RMSNorm after it.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from pagedkv.kernels import fused
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model import runner as runner_mod
 from pagedkv.model.llama import Batch, PagedKV
 
-__all__ = ["count_operations", "pad_to_bucket"]
+__all__ = ["count_operations", "pad_to_bucket", "add_rms_norm"]
 
 TINY = LlamaConfig(vocab_size=96, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=64,
                    ffn=128, rope_base=10000.0, context=256)
@@ -42,6 +43,43 @@ def pad_to_bucket(tokens, positions, slots, seq_lens, bucket: int):
     out = [np.concatenate([np.asarray(a, np.int32), np.full(pad, fill, np.int32)])
            for a, fill in ((tokens, 0), (positions, 0), (slots, -1), (seq_lens, 0))]
     return tuple(out)
+
+
+def add_rms_norm(x, y, w, eps: float, out=None):
+    """``x += y``, then ``out = rms_norm(x) * w``, as one pass over each row would do it: the
+    sum rounded once to x's dtype and stored back into ``x`` (the residual stream), and the
+    norm computed from that rounded sum, as the two separate calls compute it."""
+    out = np.empty_like(x) if out is None else out
+    s = (x.astype(np.float32) + y.astype(np.float32)).astype(x.dtype)   # rounded, as x += y
+    x[...] = s
+    s32 = s.astype(np.float32)
+    r = 1.0 / np.sqrt((s32 * s32).mean(axis=-1, keepdims=True) + np.float32(eps))
+    out[...] = (s32 * r).astype(x.dtype) * w
+    return out
+
+
+class FusedNormRunner(runner_mod.FastRunner):
+    """The fast runner with the attention's output projection written to ``h`` (not added
+    into ``x``) and the residual addition fused with the MLP's norm: ``add_rms_norm``."""
+
+    fused = staticmethod(add_rms_norm)
+
+    def _layers(self, v, attend) -> None:
+        m, kv, c = self.model, self.kv, self.model.config
+        eps, b, g = c.norm_eps, v.x.shape[0], self.gemm_method
+        runner_mod.embed(v.tokens, m.embedding, out=v.x)
+        for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(m.layers,
+                                                                       self.weights)):
+            runner_mod.rms_norm(v.x, layer.attn_norm, eps, out=v.h)
+            runner_mod.gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
+            runner_mod.rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q,
+                                     kv.layers[i], c.heads, c.kv_heads)
+            attend(v, i)
+            runner_mod.gemm(v.attn.reshape(b, -1), wo, v.h, transpose_b=True, method=g)
+            self.fused(v.x, v.h, layer.mlp_norm, eps, out=v.h)      # x += o; h = norm(x)
+            runner_mod.gemm(v.h, w_gate_up, v.gate_up, transpose_b=True, method=g)
+            runner_mod.silu_mul(v.gate_up, out=v.act)
+            runner_mod.gemm(v.act, w_down, v.x, accumulate=True, transpose_b=True, method=g)
 
 
 # ------------------------------------------------------------------------------ checks
@@ -111,6 +149,44 @@ def check_pad_to_bucket(impl=pad_to_bucket, seed=14):
     return {"batches": 50}
 
 
+def check_add_rms_norm(impl=add_rms_norm, seed=12):
+    """Bit for bit against the two calls (``x += y``, then ``fused.rms_norm``) on random rows
+    in float16 and float32, ``x`` updated in place; then the greedy tokens and logits of a
+    runner that uses ``impl`` inside its layers against the fast runner's (NumPy)."""
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}")
+    rows = 0
+    for dtype in (np.float16, np.float32):
+        for shape in ((1, 64), (5, 576), (64, 576)):
+            x = (rng.standard_normal(shape) * 3).astype(dtype)
+            y = rng.standard_normal(shape).astype(dtype)
+            w = (1 + 0.1 * rng.standard_normal(shape[1])).astype(dtype)
+            ref_x = x.copy()
+            ref_x += y
+            ref_h = fused.rms_norm(ref_x, w, 1e-5)
+            got_x, got_h = x.copy(), np.full_like(x, np.nan)
+            impl(got_x, y, w, 1e-5, out=got_h)
+            assert np.array_equal(got_x, ref_x), f"{dtype.__name__} {shape}: x is not x + y"
+            assert np.array_equal(got_h, ref_h), \
+                f"{dtype.__name__} {shape}: h differs from rms_norm(x + y) in " \
+                f"{int((got_h != ref_h).sum())} of {got_h.size} numbers"
+            rows += shape[0]
+    model = Llama(TINY, random_weights(TINY, seed), xp=np)
+    lens = np.array([3, 9], np.int32)
+    batch = Batch(np.array([5, 7], np.int32), lens - 1, np.array([2, 24], np.int32),
+                  np.ones(2, np.int32), lens, np.array([[0], [1]], np.int32),
+                  np.zeros((0, 2), np.int32))
+    answers = []
+    for cls in (runner_mod.FastRunner, FusedNormRunner):
+        runner = cls(model, PagedKV.for_model(model, 8, 16), max_batch=2)
+        runner.fused = impl
+        logits, greedy = runner.decode(batch)
+        answers.append((logits.copy(), greedy))
+    assert np.array_equal(answers[0][0], answers[1][0]), "the runner's logits changed"
+    assert answers[0][1] == answers[1][1]
+    return {"rows": rows, "runner's logits": "bit for bit"}
+
+
 def _pad_slots_with_zero(tokens, positions, slots, seq_lens, bucket):
     t, p, s, n = pad_to_bucket(tokens, positions, slots, seq_lens, bucket)
     s[len(tokens):] = 0                       # slot 0 is block 0's first token: overwritten
@@ -135,7 +211,26 @@ def _one_norm_a_layer(layers):
     return counts
 
 
+def _norm_of_unrounded_sum(x, y, w, eps, out=None):
+    s32 = x.astype(np.float32) + y.astype(np.float32)      # never rounded to x's dtype
+    x[...] = s32.astype(x.dtype)
+    r = 1.0 / np.sqrt((s32 * s32).mean(axis=-1, keepdims=True) + np.float32(eps))
+    out[...] = (s32 * r).astype(x.dtype) * w
+    return out
+
+
+def _x_not_updated(x, y, w, eps, out=None):
+    return fused.rms_norm(x + y, w, eps, out=out)           # the residual stream keeps x
+
+
+def _norm_before_the_add(x, y, w, eps, out=None):
+    fused.rms_norm(x, w, eps, out=out)
+    x += y
+    return out
+
+
 WRONG = {
     "count_operations": [_no_output_head, _one_norm_a_layer],
     "pad_to_bucket": [_pad_slots_with_zero, _pad_lengths_with_one],
+    "add_rms_norm": [_norm_of_unrounded_sum, _x_not_updated, _norm_before_the_add],
 }

@@ -1,13 +1,17 @@
 """Chapter 15 (serving it): how much of a streamed answer is safe to send while stop
-strings may still appear, reading a server-sent event stream back, and the text of one
-more token with nothing but the tokenizer's ``decode``."""
+strings may still appear, reading a server-sent event stream back, the text of one
+more token with nothing but the tokenizer's ``decode``, and answers that keep the stop
+string that ended them (the engine loop changed, checked on the loop itself)."""
 from __future__ import annotations
 
 import itertools
 import json
 import random
+import threading
 
-__all__ = ["safe_length", "read_sse", "OffsetDecoder"]
+from pagedkv.serve.loop import Texts
+
+__all__ = ["safe_length", "read_sse", "OffsetDecoder", "StopIncluded"]
 
 
 # ------------------------------------------------------------------ stop strings
@@ -209,15 +213,18 @@ class _Counting:
 def check_OffsetDecoder(impl=OffsetDecoder, seed=1313, trials=200):
     """The oracle is decoding the whole answer: on answers made of random pieces of
     text, the pieces joined are the whole text, every prefix of them is a prefix of it
-    without an unfinished character, and no call decodes more than 16 ids."""
+    without an unfinished character, and no call decodes more than 16 ids. Characters
+    of two to four bytes are split between tokens in these answers (counted)."""
     print(f"seed={seed}")
     rng = random.Random(seed)
     tok = _byte_level_tokenizer()
+    split = 0                    # tokens inside a character (alone: U+FFFD)
     for _ in range(trials):
         text = "".join(rng.choice(CORPUS)[rng.randrange(3):] for _ in range(rng.randrange(
             1, 6)))
         ids = tok.encode(text).ids
         whole = tok.decode(ids)
+        split += sum("\ufffd" in tok.decode([t]) for t in ids)
         counting = _Counting(tok)
         decoder, out = impl(counting), ""
         for t in ids:
@@ -225,7 +232,8 @@ def check_OffsetDecoder(impl=OffsetDecoder, seed=1313, trials=200):
             assert whole.startswith(out) and "\ufffd" not in out, (text, out)
         assert out == whole, (text, out, whole)
         assert counting.longest <= 16, f"decoded {counting.longest} ids at once"
-    return {"seed": seed, "answers": trials}
+    assert split > 0, "no character was split between tokens: the case is not tested"
+    return {"seed": seed, "answers": trials, "tokens inside a character": split}
 
 
 class _DecodeEachToken(OffsetDecoder):
@@ -257,9 +265,100 @@ class _NoHolding(OffsetDecoder):
         return text[len(sent):]
 
 
+
+# --------------------------------------------------------------- keeping the stop string
+class StopIncluded(Texts):
+    """The engine loop's text half with answers that keep the stop string that ended
+    them, as vLLM's ``include_stop_str_in_output`` does: the text is cut after the
+    first stop string to appear, not before it."""
+
+    @staticmethod
+    def _extend(ch, tokens, stops) -> bool:
+        before = len(ch.text)
+        ch.text += "".join(ch.decoder.step(t) for t in tokens)
+        ends = [i + len(s) for s in stops
+                if (i := ch.text.find(s, max(0, before - len(s) + 1))) >= 0]
+        if ends:
+            ch.text = ch.text[:min(ends)]      # the first to be complete ends the answer
+        return bool(ends)
+
+
+def _ask(loop, prompt, params, stop=(), stream=True):
+    """One job through a running loop: (its text, the finish reasons, the events)."""
+    from pagedkv.serve.loop import Job
+    events, done = [], threading.Event()
+
+    def emit(event):
+        events.append(event)
+        if event["type"] in ("done", "error", "rejected"):
+            done.set()
+
+    loop.submit(Job(prompt, params, emit, stop=tuple(stop), stream=stream))
+    assert done.wait(60), f"no answer within 60 s: {events}"
+    assert events[-1]["type"] == "done", events[-1]
+    deltas = [e for e in events if e["type"] == "delta"]
+    text = "".join(e["text"] for e in deltas)
+    return text, [e["finish_reason"] for e in deltas], events
+
+
+def check_StopIncluded(impl=StopIncluded, seed=15, trials=40):
+    """On the engine loop with the tiny random model, in this process: a greedy answer
+    with no stop string is the oracle; asked again with stop strings drawn from it, the
+    answer must be its shortest prefix that holds one of them, streamed or not, ending
+    with finish reason "stop", and every block back in the pool."""
+    from pagedkv.model.generate import Engine, SamplingParams
+    from pagedkv.serve.loop import EngineLoop
+    from pagedkv.serve.models import load
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    served = load("tiny")
+    engine = Engine(served.model, num_blocks=64, stop_ids=[served.tokenizer.eos_id])
+    loop = EngineLoop(engine, served.tokenizer)
+    loop.texts = impl(served.tokenizer, engine.stop_ids)
+    loop.start()
+    try:
+        for _ in range(trials):
+            prompt = served.tokenizer.encode_text("".join(
+                rng.choice("abcdefgh ") for _ in range(rng.randrange(1, 12))))
+            params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+            whole, _, _ = _ask(loop, prompt, params)
+            stops = []
+            for _ in range(rng.randrange(1, 4)):
+                i = rng.randrange(len(whole))
+                stops.append(whole[i:i + rng.randrange(1, 4)])
+            want = next(whole[:k] for k in range(len(whole) + 1)
+                        if any(s in whole[:k] for s in stops))
+            stream = rng.random() < 0.5
+            text, reasons, _ = _ask(loop, prompt, params, stops, stream)
+            assert text == want, (whole, stops, text, want)
+            assert reasons[-1] == "stop", (stops, reasons)
+        assert engine.manager.allocator.num_used == 0
+        engine.manager.audit()
+    finally:
+        loop.stop()
+    return {"seed": seed, "answers": trials}
+
+
+
+class _StopAfterLatest(Texts):
+    """Cut after the last stop string to complete, not the first."""
+
+    @staticmethod
+    def _extend(ch, tokens, stops) -> bool:
+        before = len(ch.text)
+        ch.text += "".join(ch.decoder.step(t) for t in tokens)
+        ends = [i + len(s) for s in stops
+                if (i := ch.text.find(s, max(0, before - len(s) + 1))) >= 0]
+        if ends:
+            ch.text = ch.text[:max(ends)]
+        return bool(ends)
+
+
+
 WRONG = {
     "safe_length": [_safe_hold_longest_minus_one, _safe_whole_stops_only,
                     _safe_last_tail_only],
     "read_sse": [_sse_split_on_lines, _sse_past_done],
     "OffsetDecoder": [_DecodeEachToken, _WholeAnswer, _NoHolding],
+    "StopIncluded": [Texts, _StopAfterLatest],
 }

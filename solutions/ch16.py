@@ -1,5 +1,6 @@
-"""Chapter 16 (from pagedkv to vLLM and SGLang): orphaned cache blocks, the blocks a sliding
-window keeps, and a radix tree with pages.
+"""Chapter 16 (from pagedkv to vLLM and SGLang): a free list in the order vLLM's
+prefix-caching test expects, orphaned cache blocks, the blocks a sliding window keeps, and a
+radix tree with pages.
 
 The first part holds what the chapter itself runs and shows, written for the chapter and kept
 out of the package: a manager that frees head first (the order pagedkv and vLLM avoid), the
@@ -9,14 +10,16 @@ exercises reuse them.
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import numpy as np
 
 from pagedkv.allocator import BlockAllocator
 from pagedkv.checks import cdiv, positive_int
+from pagedkv.errors import OutOfBlocks
 from pagedkv.prefix_cache import PrefixCachingManager
 
-__all__ = ["orphans", "window_blocks", "PagedRadixTree"]
+__all__ = ["QueueAllocator", "orphans", "window_blocks", "PagedRadixTree"]
 
 
 # ------------------------------------------------------------- what the chapter runs and shows
@@ -135,7 +138,42 @@ def replay(trace, block_size: int, tree=None) -> list:
     return rows
 
 
+def test_prefill_order(allocator_class=BlockAllocator):
+    """The scenario of vLLM's ``test_prefill`` (the chapter's cell): three full blocks
+    cached, hit by a second request while the first runs and by a third after both
+    left, then a request that needs the whole pool. Returns (the tokens each of the
+    three found, the blocks the last one takes)."""
+    pm = PrefixCachingManager(allocator_class(10, 16 * 4, xp=np), block_size=16)
+    common = [i for i in range(3) for _ in range(16)]
+    found = [pm.add("0", common + [3] * 7).cached_tokens,
+             pm.add("1", common + [3] * 5).cached_tokens]
+    pm.free("0")
+    pm.free("1")
+    found.append(pm.add("2", common + [3] * 6).cached_tokens)
+    pm.free("2")
+    pm.add("3", [99] * 160)
+    pm.audit()
+    return found, pm.block_table("3").tolist()
+
+
+VLLM_TEST_ORDER = [b - 1 for b in [7, 8, 9, 10, 4, 5, 6, 3, 2, 1]]   # asserted by the test
+
+
 # ------------------------------------------------------------------------------- the solutions
+class QueueAllocator(BlockAllocator):
+    """A :class:`~pagedkv.allocator.BlockAllocator` whose free list is a queue, as
+    nano-vllm's deque and vLLM's free queue at ``717aebb``: a block whose last owner
+    leaves goes to the far end, so the block freed longest ago is reused first."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, *, xp=None):
+        super().__init__(num_blocks, block_bytes, xp=xp)
+        self._free = deque(self._free)           # the next one out still at the right
+
+    def free(self, block: int) -> None:
+        super().free(block)                            # (on top, if its last owner left)
+        if self._refcount[int(block)] == 0:
+            self._free.appendleft(self._free.pop())    # to the bottom: reused last
+
 def orphans(cache) -> list:
     """The idle blocks of a :class:`~pagedkv.prefix_cache.CachedBlocks` that no
     lookup can reach any more: a lookup walks a chain from its first block, so a
@@ -174,6 +212,76 @@ class PagedRadixTree(RadixTree):
 
 
 # ------------------------------------------------------------------------------------ checks
+def check_QueueAllocator(impl=QueueAllocator, seed=17, trials=60, ops=80):
+    """vLLM's ``test_prefill`` block for block; random allocations, shares and frees
+    against a deque (out on the left, back on the right) with the audit after each;
+    and random prefix-caching runs over it and over the stack: the same tokens found
+    at every admission, the same refusals and evictions (the order changes which block
+    a request gets, not what the cache finds)."""
+    print(f"seed={seed}")
+    found, order = test_prefill_order(impl)
+    assert found == [0, 48, 48] and order == VLLM_TEST_ORDER, (found, order)
+    rng = random.Random(seed)
+    for _ in range(trials):
+        n = rng.randrange(1, 12)
+        alloc, queue, owners = impl(n, 8, xp=np), deque(range(n)), [0] * n
+        for _ in range(ops):
+            held = [b for b in range(n) if owners[b]]
+            op = rng.choice(["allocate", "allocate_n", "free", "free_n", "share"])
+            if op == "allocate" and queue:
+                want = queue.popleft()
+                owners[want] = 1
+                assert alloc.allocate() == want, ("allocate", want)
+            elif op == "allocate_n" and queue:
+                k = rng.randrange(1, len(queue) + 1)
+                want = [queue.popleft() for _ in range(k)]
+                for b in want:
+                    owners[b] = 1
+                assert alloc.allocate_n(k) == want, ("allocate_n", want)
+            elif op in ("free", "free_n") and held:
+                blocks = rng.sample(held, rng.randrange(1, len(held) + 1))
+                for b in blocks:
+                    owners[b] -= 1
+                    if owners[b] == 0:
+                        queue.append(b)
+                alloc.free(blocks[0]) if op == "free" and len(blocks) == 1 \
+                    else alloc.free_n(blocks)
+            elif op == "share" and held:
+                b = rng.choice(held)
+                owners[b] += 1
+                alloc.share(b)
+            alloc.audit()
+            assert alloc.num_free == len(queue) and alloc.refcounts().tolist() == owners
+    for _ in range(trials):
+        bs = rng.choice([1, 2, 4])
+        size = rng.randrange(4, 14)
+        ours, theirs = (PrefixCachingManager(cls(size, bs * 4, xp=np), bs)
+                        for cls in (BlockAllocator, impl))
+        stems = [[rng.randrange(30) for _ in range(12)] for _ in range(3)]
+        live = []
+        for op in range(ops):
+            if live and rng.random() < 0.4:
+                seq = live.pop(rng.randrange(len(live)))
+                ours.free(seq)
+                theirs.free(seq)
+                continue
+            tokens = rng.choice(stems)[:rng.randrange(1, 13)] + [
+                rng.randrange(30) for _ in range(rng.randrange(0, 5))]
+            got = []
+            for m in (ours, theirs):
+                try:
+                    got.append(m.add(op, tokens).cached_tokens)
+                except OutOfBlocks:
+                    got.append(None)
+            assert got[0] == got[1], (bs, size, tokens, got)
+            if got[0] is not None:
+                live.append(op)
+            assert ours.cache.evictions == theirs.cache.evictions
+        theirs.audit()
+    return {"seed": seed, "vLLM's order": order == VLLM_TEST_ORDER,
+            "allocator runs": trials, "prefix-caching runs": trials}
+
+
 def _reachable_by_lookup(manager, sequences) -> set:
     """Blocks that a prompt made of one of `sequences` (and one more token) would hit."""
     found = set()
@@ -305,7 +413,21 @@ class _TreeUnpaged(RadixTree):
         super().__init__()
 
 
+class _QueueUpsideDown(BlockAllocator):
+    """A queue, but taken from the other end: a fresh pool hands out its last block
+    first."""
+
+    def allocate(self) -> int:
+        self._check_open()
+        if not self._free:
+            raise OutOfBlocks(1, 0, "allocate")
+        block = self._free.pop(0)
+        self._refcount[block] = 1
+        return block
+
+
 WRONG = {
+    "QueueAllocator": [BlockAllocator, _QueueUpsideDown],
     "orphans": [_orphans_parent_only, _orphans_by_block_id],
     "window_blocks": [_window_from_a_negative_block, _window_of_whole_blocks,
                       _window_one_token_too_many],

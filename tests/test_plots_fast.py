@@ -45,3 +45,26 @@ def test_timeline_boxes_cut_at_the_span():
     assert max(b.get_x() + b.get_width() for b in boxes) == 50
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
         "eager: host", "eager: GPU", "graph: host", "graph: GPU"]
+
+
+def test_step_trace_draws_each_span_in_its_lane_cut_at_the_span():
+    """A synthetic timeline (the drawing's test, not a measurement): the eager step's
+    spans start before 50 µs except one launch; the graph step has one launch, one wait,
+    two kernels and a copy."""
+    eager = {"wall_us": 80.0, "host_launch": [[0, 10], [12, 22], [60, 70]],
+             "host_wait": [], "gpu_kernel": [[10, 13], [22, 25]], "gpu_copy": []}
+    graph = {"wall_us": 40.0, "host_launch": [[0, 6]], "host_wait": [[7, 30]],
+             "gpu_kernel": [[6, 9], [9, 12]], "gpu_copy": [[12, 13]]}
+    fig = fast.draw_step_trace({"eager": eager, "graph": graph}, span_us=50, title="t")
+    boxes = _bars(fig)
+    assert len(boxes) == 2 + 2 + 1 + 1 + 2 + 1      # the launch at 60 µs is cut away
+    colors = {k: c for _, k, c, _ in fast.TRACE_SPANS}
+    lane = {round(b.get_y() - 0.1, 6): b.get_facecolor() for b in boxes}
+    assert set(lane) == {0.0, 1.0, 2.6, 3.6}
+    from matplotlib.colors import to_rgba
+    waits = [b for b in boxes if b.get_facecolor() == to_rgba(colors["host_wait"])]
+    assert [(b.get_x(), b.get_width(), round(b.get_y(), 6)) for b in waits] == [(7, 23, 2.7)]
+    assert max(b.get_x() + b.get_width() for b in boxes) <= 50
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
+        "eager: host", "eager: GPU", "graph: host", "graph: GPU"]
+    assert fast.draw_step_trace({"eager": eager}).axes[0].get_xlim() == (0, 80.0)

@@ -16,7 +16,7 @@ from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.generate import Engine, SamplingParams
 from pagedkv.model.llama import Batch
-from pagedkv.model.runner import FastRunner, buckets
+from pagedkv.model.runner import FastRunner, buckets, graph_node_count
 
 single_thread_blas()
 
@@ -326,3 +326,39 @@ def test_graph_replays_after_blocks_move():
         assert fast == plain, opts
         if "prefix_caching" in opts:
             assert e_fast.counts.cached_tokens > 0
+
+
+# ------------------------------------------------------------------ graph node counts
+
+def test_graph_nodes_none_without_graphs(tiny):
+    runner = FastRunner(tiny, PagedKV.for_model(tiny, 16, 16), max_batch=4, max_context=64)
+    assert runner.graph_nodes(1) is None               # NumPy: nothing is captured
+
+
+@pytest.mark.skipif(backend.on_gpu, reason="a null handle is only tried without a GPU")
+def test_graph_node_count_none_when_nothing_answers():
+    class NoGraph:
+        graph = 0
+    assert graph_node_count(NoGraph()) is None
+
+
+@gpu
+def test_graph_node_count_counts_captured_kernels():
+    """Five in-place additions captured: five kernel nodes. A fast runner's graph has at
+    least one node per operation of its pass (cuBLAS and the attention may add more)."""
+    import solutions.ch12 as sol12
+    cp = backend.xp
+    x, s = cp.zeros(16, cp.float32), cp.cuda.Stream(non_blocking=True)
+    with s:
+        x += 1                                          # compiled before the capture
+        s.synchronize()
+        s.begin_capture()
+        for _ in range(5):
+            x += 1
+        graph = s.end_capture()
+    assert graph_node_count(graph) == 5
+    m16 = Llama(TINY, random_weights(TINY, SEED), dtype=np.float16)
+    runner = FastRunner(m16, PagedKV.for_model(m16, 16, 16), max_batch=4, max_context=64)
+    runner.capture_all()
+    ops = sum(sol12.count_operations(TINY.layers).values())
+    assert all(runner.graph_nodes(b) >= ops for b in runner.buckets)

@@ -9,8 +9,9 @@ and 256 on a GPU:
   forward pass of chapter 10 on the teaching bookkeeping; on a GPU up to batch 64),
   ``pagedkv_eager`` (the fast runner's fused kernels and static buffers, launched one by one,
   on :mod:`pagedkv.fast`'s bookkeeping) and on a GPU ``pagedkv_graph`` (the same, replayed from
-  one CUDA graph per batch bucket; ``graph_replay_ms`` is the graph alone, without the engine's
-  Python), and ``floor`` (every weight and each sequence's K/V read once at the measured
+  one CUDA graph per batch bucket; ``graph_replay_ms`` is the graph alone, without the
+  engine's Python; ``graph_nodes`` the nodes of that graph, of bucket ``graph_bucket``),
+  and ``floor`` (every weight and each sequence's K/V read once at the measured
   device-to-device copy bandwidth);
 * **where the plain step's time goes** (``breakdown_ms``): the step run with every matrix
   multiply (``Llama.linear``), every attention call (``write_kv``, copy-on-write copies and the
@@ -170,6 +171,16 @@ def graph_replay_ms(engine) -> float | None:
     return replay_ms(runner, max(runner._graphs))
 
 
+def graph_nodes(engine) -> tuple:
+    """The bucket of the graph the engine's fast runner used last and that graph's node
+    count (each node one kernel or copy the replay runs; None if it cannot be read)."""
+    runner = engine.runner
+    if not getattr(runner, "graphs", False) or not runner._graphs:
+        return None, None
+    b = max(runner._graphs)
+    return b, runner.graph_nodes(b)
+
+
 def fast_tokens_per_second(model, prompt, batch: int, steps: int, repeat: int,
                            graphs: bool, max_context: int) -> dict:
     """:func:`tokens_per_second` on the fast runner, and the graph's own replay time."""
@@ -179,6 +190,7 @@ def fast_tokens_per_second(model, prompt, batch: int, steps: int, repeat: int,
         engine = _engine(model, prompt, batch, steps, **fast)
         engine.step()
         r["graph_replay_ms"] = graph_replay_ms(engine)
+        r["graph_bucket"], r["graph_nodes"] = graph_nodes(engine)
         engine.run()
     return r
 
@@ -354,6 +366,10 @@ def run(args) -> dict:
         print(f"  pagedkv batch {b:>3}: " + ", ".join(
             f"{k[8:]} {r[k][b]['step_ms']:.3f} ms" for k in
             ("pagedkv_plain", "pagedkv_eager", "pagedkv_graph") if b in r[k]), flush=True)
+        if b in r["pagedkv_graph"]:
+            g = r["pagedkv_graph"][b]
+            print(f"    graph of bucket {g['graph_bucket']}: {g['graph_nodes']} nodes",
+                  flush=True)
     try:
         import torch
         import transformers

@@ -111,7 +111,8 @@ def _engine(model, requests, args) -> Engine:
     return Engine(model, num_blocks=blocks, block_size=16, max_seqs=args.max_seqs,
                   stop_ids=(), runner=runner, max_context=longest if fast else None,
                   bookkeeping="fast" if fast else "teaching",
-                  token_budget=args.token_budget, prefill_chunk=args.token_budget or 2048)
+                  token_budget=args.token_budget, prefill_chunk=args.token_budget or 2048,
+                  single_pass=fast and args.single_pass)
 
 
 def _warm_up(engine: Engine, vocab: int) -> None:
@@ -126,26 +127,30 @@ def _warm_up(engine: Engine, vocab: int) -> None:
 
 
 def _time_parts(engine: Engine) -> dict:
-    """Wrap the engine's two passes so that their seconds add up (the device synchronised
-    after each, so its work is inside); the rest of a step is the scheduler's and the
-    bookkeeping's."""
+    """Wrap the engine's passes so that their seconds add up (the device synchronised after
+    each, so its work is inside); the rest of a step is the scheduler's and the
+    bookkeeping's. With the single pass, a step's combined pass is counted as ``mixed``."""
     spent = {"prefill": 0.0, "decode": 0.0}
+    if engine.runner.single_pass:
+        spent["mixed"] = 0.0
     for part in spent:
         fn = getattr(engine, f"run_{part}")
 
-        def timed(arg, fn=fn, part=part):
+        def timed(*args, fn=fn, part=part, **kwargs):
             t = time.perf_counter()
-            fn(arg)
+            result = fn(*args, **kwargs)
             backend.synchronize()
             spent[part] += time.perf_counter() - t
+            return result
         setattr(engine, f"run_{part}", timed)
     return spent
 
 
 def options(**given) -> argparse.Namespace:
     """The engine's options as the command line gives them (its defaults, updated by
-    ``given``: ``token_budget``, ``max_seqs``, ``blocks``, ``runner``)."""
-    o = argparse.Namespace(token_budget=2048, max_seqs=256, blocks=0, runner=None)
+    ``given``: ``token_budget``, ``max_seqs``, ``blocks``, ``runner``, ``single_pass``)."""
+    o = argparse.Namespace(token_budget=2048, max_seqs=256, blocks=0, runner=None,
+                           single_pass=False)
     for key, value in given.items():
         if not hasattr(o, key):
             raise ConfigError(f"unknown option {key!r}; choose from {sorted(vars(o))}")
@@ -206,7 +211,8 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
     out["seconds_in"] = {k: round(v, 4) for k, v in spent.items()}
     out.update(steps=steps, peak_blocks=peak, num_blocks=engine.manager.allocator.num_blocks,
                preemptions=engine.counts.preemptions, runner=type(engine.runner).__name__,
-               token_budget=args.token_budget, max_seqs=args.max_seqs)
+               token_budget=args.token_budget, max_seqs=args.max_seqs,
+               single_pass=engine.runner.single_pass)
     return out
 
 
@@ -414,6 +420,9 @@ def main(argv=None) -> int:
                    help="pool blocks (default: every block the requests could need)")
     p.add_argument("--runner", choices=("plain", "fast", "fast-eager"), default=None,
                    help="default: fast on a GPU, plain on a CPU")
+    p.add_argument("--single-pass", action="store_true",
+                   help="a step's last prefill pack and its decode rows in one forward "
+                        "pass (fast runners)")
     p.add_argument("--keep-stamps", action="store_true",
                    help="keep every token's time in the JSON")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")

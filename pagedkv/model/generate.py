@@ -13,6 +13,11 @@ Requests wait in a queue; each :meth:`Engine.step` does four things:
    the most recently admitted request while the step cannot get its blocks;
 4. **finish**: sequences that produced the end token or reached their limit free their blocks.
 
+With a runner that offers the *single pass* (``single_pass=True``), a step that has both
+runs its last prefill pass and its decode in one forward pass (:meth:`Engine.run_mixed`):
+the decode is planned first, so a prompt that pass completes chooses its first token(s)
+and decodes from the next step on.
+
 Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s decision (the simulation's scheduler
 too); :mod:`pagedkv.model.scheduling` is the engine's side of it: where the blocks are.
 
@@ -203,7 +208,8 @@ class Engine(Scheduling):
     chapter 10 shows, ``"fast"`` the fused kernels, static buffers and (on a GPU) CUDA graphs
     of :class:`~pagedkv.model.runner.FastRunner` for decode steps, whose page tables hold
     ``max_context`` tokens (default: the model's context); ``"fast-eager"`` the same kernels
-    without graphs. ``bookkeeping`` is ``"teaching"`` (the core the chapters show) or
+    without graphs; ``single_pass`` (fast runners) runs a step's last prefill pass and its
+    decode as one pass. ``bookkeeping`` is ``"teaching"`` (the core the chapters show) or
     ``"fast"`` (:mod:`pagedkv.fast`: the same plans, batched in NumPy).
 
     Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s (``self.scheduler``). With
@@ -225,7 +231,8 @@ class Engine(Scheduling):
                  preemption: str = "recompute", host_blocks: int = 0,
                  watermark: float = 0.01, runner: str = "plain",
                  max_context: int | None = None, bookkeeping: str = "teaching",
-                 token_budget: int | None = None, chunked_prefill: bool = True):
+                 token_budget: int | None = None, chunked_prefill: bool = True,
+                 single_pass: bool = False):
         self.model = model
         if bookkeeping == "teaching":
             classes, cache_cls = {}, PrefixCachingManager
@@ -247,10 +254,12 @@ class Engine(Scheduling):
         self.on_step = on_step           # called as on_step(engine) after every step
         self._memory(watermark, preemption, host_blocks)
         if runner == "plain":
+            if single_pass:
+                raise ConfigError("single_pass needs a fast runner ('fast' or 'fast-eager')")
             self.runner = ModelRunner(model, self.kv)
         elif runner in ("fast", "fast-eager"):
             self.runner = FastRunner(model, self.kv, max_batch=self.max_seqs,
-                                     max_context=max_context,
+                                     max_context=max_context, single_pass=single_pass,
                                      graphs=False if runner == "fast-eager" else None)
         else:
             raise ConfigError(f"runner must be 'plain', 'fast' or 'fast-eager', "
@@ -301,9 +310,14 @@ class Engine(Scheduling):
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         """Schedule and run the prefill, then decode one token for every live sequence of
-        every prefilled request; free what finished."""
-        self.run_prefill(self.scheduler.prefill())
-        self.run_decode(self.scheduler.decode())
+        every prefilled request; free what finished. With the single pass, the last
+        prefill pack waits to run beside the decode rows."""
+        chunks = self.scheduler.prefill()
+        held = self.run_prefill(chunks, hold_last=self.runner.single_pass)
+        if held:
+            self.run_mixed(held, chunks)
+        else:
+            self.run_decode(self.scheduler.decode())
         self.finish()
         if self.audit:
             self.manager.audit()
@@ -326,27 +340,51 @@ class Engine(Scheduling):
         return reqs
 
     # ------------------------------------------------------------------ 2. prefill
-    def run_prefill(self, chunks) -> None:
+    def run_prefill(self, chunks, hold_last: bool = False):
         """Compute the step's prefill parts (placed by the scheduler's calls, in
         ``self.parts``), whole parts packed into passes of about ``prefill_chunk`` tokens;
-        then a new prompt whose K/V are all in the cache chooses its first token(s)."""
+        a new prompt whose K/V are all in the cache chooses its first token(s). With
+        ``hold_last``, the last pack is returned instead, if the decode can run beside it
+        (:meth:`_decode_fits`); it stays in ``self.parts`` until it runs."""
         if self.swapper is not None:
             self.copy_swaps()
-        parts, self.parts = [p for p in self.parts if len(p[1][1])], []
-        while parts:
-            size = n = 0
-            while n < len(parts) and (n == 0 or size + len(parts[n][1][1])
-                                      <= self.prefill_chunk):
-                size += len(parts[n][1][1])
-                n += 1
-            rows, parts = parts[:n], parts[n:]
+        packs = self._packs([p for p in self.parts if len(p[1][1])])
+        self.parts = []
+        for i, rows in enumerate(packs):
+            if hold_last and i == len(packs) - 1 and self._decode_fits():
+                self.parts = rows
+                return rows
             logits, _ = self.runner.prefill(self._batch([part for _, part in rows]))
-            for row, (req, (seq, *_)) in enumerate(rows):
-                if not seq.generated and not req.prefilled and \
-                        self.manager.num_tokens(seq.seq_id) == len(seq.tokens):
-                    req.prefilled = True           # a new prompt: its first token(s)
-                    self._first_tokens(req, logits[row:row + 1])
-        for chunk in chunks:                       # a prompt found whole in the cache
+            self._prompts_done(rows, logits)
+        self._check_first_tokens(chunks)
+        return None
+
+    def _packs(self, parts) -> list:
+        """Whole parts, in order, packed into passes of about ``prefill_chunk`` tokens."""
+        packs, size = [], 0
+        for part in parts:
+            n = len(part[1][1])
+            if packs and size + n <= self.prefill_chunk:
+                packs[-1].append(part)
+                size += n
+            else:
+                packs.append([part])
+                size = n
+        return packs
+
+    def _prompts_done(self, rows, logits) -> None:
+        """After a pass over ``rows`` (``logits``: each row's last): a new prompt now all in
+        the cache chooses its first token(s)."""
+        for row, (req, (seq, *_)) in enumerate(rows):
+            if not seq.generated and not req.prefilled and \
+                    self.manager.num_tokens(seq.seq_id) == len(seq.tokens):
+                req.prefilled = True
+                self._first_tokens(req, logits[row:row + 1])
+
+    def _check_first_tokens(self, chunks) -> None:
+        """Every prompt whose prefill the step finished (a prompt found whole in the cache
+        too) has its first token(s)."""
+        for chunk in chunks:
             req = chunk.req
             if chunk.last and not req.prefilled and req in self.running:
                 raise AuditError(f"request {req.request_id}'s prefill ended without "
@@ -391,17 +429,58 @@ class Engine(Scheduling):
         (made by the scheduler's call to :meth:`grow`), one forward pass."""
         if self.swapper is not None:
             self.copy_swaps()
-        reqs = [r for r in reqs if r.live]
+        reqs = self._decoding(reqs)
+        if reqs:
+            logits, greedy = self.runner.decode(self._decode_batch())
+            self._decoded(reqs, logits, greedy)
+
+    def run_mixed(self, rows, chunks) -> None:
+        """The last prefill pack (``rows``) and the decode in one pass. The decode is
+        planned first (:meth:`_decode_fits` checked that it preempts nobody), so its rows
+        are the requests decoding before this pass: a prompt the pass completes chooses
+        its first token(s) from it, and decodes from the next step on. A request back from
+        a recompute is in both parts: its decode row reads the K/V its chunk writes, and
+        every row's K/V are written before any row attends."""
+        prefill = self._batch([part for _, part in rows])    # before the sequences grow
+        reqs = self._decoding(self.scheduler.decode())
+        self.parts = []
+        if self.swapper is not None:
+            self.copy_swaps()
+        batch = self._decode_batch()
+        if np.isin(batch.copies[:, 0], prefill.slots // self.block_size).any():
+            raise AuditError("a decode copy-on-write copies a block the same pass writes")
+        first, logits, greedy = self.runner.mixed(prefill, batch)
+        self._prompts_done(rows, first)
+        self._check_first_tokens(chunks)
+        self._decoded(reqs, logits, greedy)
+
+    def _decode_fits(self) -> bool:
+        """Can the decode be planned before the step's last prefill pack runs? Only if it
+        preempts nobody: a request preempted then would give up blocks its pending chunk
+        has yet to write. So every block its sequences may take (one each at most, a new
+        block or a copy) must be free."""
+        seqs = [s for r in self.scheduler.decoding() if r.prefilled for s in r.live]
+        need = sum(self.manager.blocks_needed(s.seq_id) for s in seqs)
+        return bool(seqs) and need <= self.manager.allocator.num_free
+
+    def _decoding(self, reqs) -> list:
+        """The requests of ``reqs`` that decode now: live, with their first token chosen."""
+        reqs = [r for r in reqs if r.live and r.prefilled]
         self.decoded = len(self.step_seqs) if reqs else 0   # sequences decoded this step
-        if not reqs:
-            return
+        return reqs
+
+    def _decode_batch(self) -> Batch:
+        """The decode rows of the step's plan (made by :meth:`grow`)."""
         plan, seqs = self.step_plan, self.step_seqs
-        batch = Batch(
+        return Batch(
             tokens=np.array([s.tokens[-1] for s in seqs], dtype=np.int32),
             positions=plan.seq_lens - 1, slots=plan.slot_mapping,
             query_lens=np.ones(len(seqs), dtype=np.int32), seq_lens=plan.seq_lens,
             block_tables=plan.block_tables, copies=plan.copies)
-        logits, greedy = self.runner.decode(batch)
+
+    def _decoded(self, reqs, logits, greedy) -> None:
+        """Each request takes its rows' tokens (``greedy``: the runner's greedy choices, or
+        None): the greedy fast path, a beam step or a sampling step."""
         start = 0
         for req in reqs:
             end = start + len(req.live)

@@ -14,8 +14,11 @@ part that touches the model's arrays and the paged K/V. Two runners, one interfa
   greedy choice made on the device, and — on a GPU — each batch size (padded up to a *bucket*:
   1, 2, 4, 8, 16, 24, ...) captured once as a CUDA graph and replayed. A prefill runs the same
   layers eagerly, every new token a row, with the paged prefill kernel for the attention
-  (:meth:`FastRunner.prefill`); copy-on-write copies stay on the plain path. On NumPy it runs the kernels' references, with the same buffers and
-  order, so the CPU tests exercise the same code.
+  (:meth:`FastRunner.prefill`); copy-on-write copies stay on the plain path. On NumPy it runs
+  the kernels' references, with the same buffers and order, so the CPU tests exercise the
+  same code. With ``single_pass``, a step that has both runs them in one pass
+  (:meth:`FastRunner.mixed`): the prefill chunks and the decode rows as one flattened batch,
+  a decode row being a chunk of one token (vLLM V1's shape), so the weights are read once.
 
 Both return, for a batch, float32 logits of each sequence's last token (on the device) and,
 where they have it, the greedy token of each row as host ints (``None`` otherwise).
@@ -34,7 +37,8 @@ from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mu
 from ..kernels.gemm import gemm
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward, prefill_attention
 
-__all__ = ["ModelRunner", "FastRunner", "buckets", "GRAPH_PREFILL_TOKENS"]
+__all__ = ["ModelRunner", "FastRunner", "buckets", "graph_node_count",
+           "GRAPH_PREFILL_TOKENS"]
 
 #: A prefill whose rows read at most this many tokens of K/V in all (each row its prefix,
 #: the decode way) and fit one graph bucket replays the decode graph instead of running
@@ -46,6 +50,8 @@ GRAPH_PREFILL_TOKENS = 65_536
 
 class ModelRunner:
     """The plain path: :func:`~pagedkv.model.llama.forward` for every pass."""
+
+    single_pass = False        # a step's prefill and its decode rows: two passes
 
     def __init__(self, model: Llama, kv: PagedKV):
         self.model, self.kv = model, kv
@@ -100,13 +106,16 @@ class FastRunner(ModelRunner):
     ``max_batch`` sequences decode at most at once; a page table holds ``max_context`` tokens
     (default: the model's context). ``graphs`` (default: on a GPU) replays captured graphs;
     ``graphs=False`` runs the same kernels one by one (the eager path, for debugging);
-    ``gemm_method`` picks cuBLAS or the few-row kernel (:func:`~pagedkv.kernels.gemm.gemm`).
+    ``gemm_method`` picks cuBLAS or the few-row kernel (:func:`~pagedkv.kernels.gemm.gemm`);
+    ``single_pass`` offers the engine :meth:`mixed`: a step's prefill and decode rows in one
+    pass.
     """
 
     def __init__(self, model: Llama, kv: PagedKV, *, max_batch: int = 256,
                  max_context: int | None = None, graphs: bool | None = None,
-                 gemm_method: str = "auto"):
+                 gemm_method: str = "auto", single_pass: bool = False):
         super().__init__(model, kv)
+        self.single_pass = bool(single_pass)
         c, xp = model.config, model.xp
         self.on_gpu = xp is not np
         if graphs and not self.on_gpu:
@@ -229,25 +238,52 @@ class FastRunner(ModelRunner):
     # ------------------------------------------------------------------ the interface
     def prefill(self, batch: Batch):
         """A prefill, by the cheaper of two ways. Usually one eager pass with the paged
-        prefill kernel (:meth:`_prefill_pass`). But an eager pass launches ~270 kernels,
+        prefill kernel (:meth:`_eager_pass`). But an eager pass launches ~270 kernels,
         and a short prefill (rows that fit one graph bucket, reading little K/V in all)
         costs less as one replay of the decode graph with a row per token
-        (:meth:`_prefill_as_rows`): each row reads its prefix again, which is cheap while
-        the prefixes are short. Both return the logits of each sequence's last new token,
+        (:func:`_as_rows`): each row reads its prefix again, which is cheap while the
+        prefixes are short. Both return the logits of each sequence's last new token,
         and no greedy tokens."""
-        reads = int((batch.positions.astype(np.int64) + 1).sum())   # K/V tokens the rows read
-        if self.graphs and len(batch.tokens) <= self.max_batch and \
-                reads <= GRAPH_PREFILL_TOKENS:
-            return self._prefill_as_rows(batch)
-        return self._prefill_pass(batch)
+        if self._short(batch):
+            logits, _ = self.decode(_as_rows(batch))
+            return logits[self.model.xp.asarray(_last_rows(batch))], None
+        return self._eager_pass(batch), None
 
-    def _prefill_pass(self, batch: Batch):
-        """A prefill pass: every new token of every sequence a row, through the same fused
+    def mixed(self, prefill: Batch, decode: Batch):
+        """A step's prefill chunks and decode rows in one pass: one flattened batch, the
+        decode rows last, each a chunk of one token (the prefill kernel on a chunk of one
+        computes what the decode kernel does). Returns the chunks' last-row logits, the
+        decode rows' logits and their greedy tokens (host ints, one download). A short
+        prefill (see :meth:`prefill`) goes as rows beside the decode rows, one graph replay;
+        if they do not fit one bucket together, two replays beat one eager pass's launches.
+        Otherwise one eager pass. Copy-on-write copies of both go first."""
+        if not decode.is_decode:
+            raise ConfigError("FastRunner.mixed takes one new token per decode row")
+        k, xp = len(prefill.query_lens), self.model.xp
+        if self._short(prefill, beside=len(decode.tokens)):
+            logits, greedy = self.decode(_join(_as_rows(prefill), decode))
+            t = len(prefill.tokens)
+            return logits[xp.asarray(_last_rows(prefill))], logits[t:], greedy[t:]
+        if self._short(prefill):
+            return (self.prefill(prefill)[0], *self.decode(decode))
+        logits = self._eager_pass(_join(prefill, decode))
+        greedy = argmax_rows(logits[k:])                     # on the device
+        return logits[:k], logits[k:], greedy.tolist()
+
+    def _short(self, batch: Batch, beside: int = 0) -> bool:
+        """Is ``batch`` a prefill for the decode graph: its rows (and ``beside`` more) fit
+        one bucket, and read at most GRAPH_PREFILL_TOKENS of K/V in all?"""
+        reads = int((batch.positions.astype(np.int64) + 1).sum())   # K/V tokens the rows read
+        return self.graphs and len(batch.tokens) + beside <= self.max_batch and \
+            reads <= GRAPH_PREFILL_TOKENS
+
+    def _eager_pass(self, batch: Batch):
+        """One eager pass: every new token of every sequence a row, through the same fused
         kernels as a decode step, and attention by the paged prefill kernel
         (:func:`~pagedkv.kernels.prefill.paged_prefill_attention`: causal, a chunk starting
-        wherever its sequence's cache ends). It runs eagerly on the default stream (its
-        row count changes from step to step), into buffers kept for the largest pass so
-        far."""
+        wherever its sequence's cache ends). It runs on the default stream (its row count
+        changes from step to step), into buffers kept for the largest pass so far, after
+        the batch's copy-on-write copies. Returns the logits of each sequence's last row."""
         xp, c = self.model.xp, self.model.config
         n, b = len(batch.tokens), len(batch.query_lens)
         if batch.block_tables.shape[1] > self.width:
@@ -264,28 +300,10 @@ class FastRunner(ModelRunner):
         self.kv.copy(batch.copies)
         self._prefill_lengths = (batch.seq_lens, batch.query_lens)
         self._layers(v, self._attend_prefill)
-        last = xp.asarray(starts[1:] - 1)
-        h = rms_norm(v.x[last], self.model.norm, c.norm_eps)
+        h = rms_norm(v.x[xp.asarray(starts[1:] - 1)], self.model.norm, c.norm_eps)
         logits = xp.empty((b, c.vocab_size), np.float32)
         gemm(h, self.model.embedding, logits, transpose_b=True, method=self.gemm_method)
-        return logits, None
-
-    def _prefill_as_rows(self, batch: Batch):
-        """A prefill through the decode graph: every new token is a row of its own, at its
-        position, with its sequence's page table and a length of position + 1, so the decode
-        kernel's attention over a row's first position + 1 tokens is exactly causal
-        attention."""
-        xp = self.model.xp
-        rows = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
-        last = np.cumsum(batch.query_lens) - 1                  # each sequence's last token
-        tables, positions = batch.block_tables[rows], batch.positions
-        self.kv.copy(batch.copies)
-        logits, _ = self.decode(Batch(
-            tokens=batch.tokens, positions=positions, slots=batch.slots,
-            query_lens=np.ones(len(positions), np.int32),
-            seq_lens=(positions + 1).astype(np.int32), block_tables=tables,
-            copies=np.zeros((0, 2), np.int32)))
-        return logits[xp.asarray(last)], None
+        return logits
 
     def _attend_prefill(self, v: _Views, i: int) -> None:
         if self.on_gpu and self.model.dtype == np.float32:   # (the kernel is 16-bit: the
@@ -370,6 +388,63 @@ class FastRunner(ModelRunner):
                     self._capture(b, v)
         self.stream.synchronize()
         return len(self._graphs)
+
+    def graph_nodes(self, b: int) -> int | None:
+        """Nodes (kernels and copies) of bucket ``b``'s captured graph, or None when it has
+        none or the count cannot be read (:func:`graph_node_count`)."""
+        graph = self._graphs.get(b)
+        return None if graph is None else graph_node_count(graph)
+
+
+def graph_node_count(graph) -> int | None:
+    """The nodes of a captured ``cupy.cuda.graph.Graph`` (its ``graph`` attribute is the
+    ``cudaGraph_t`` handle): through cuda-bindings' ``cudaGraphGetNodes`` if installed, else
+    the driver's ``cuGraphGetNodes`` by ctypes (a ``cudaGraph_t`` is a ``CUgraph``); None
+    when neither answers."""
+    handle = int(graph.graph)
+    try:
+        from cuda.bindings import runtime as rt
+        answer = rt.cudaGraphGetNodes(handle, 0)       # (error, nodes: none asked, count)
+        if answer[0] == rt.cudaError_t.cudaSuccess:
+            return int(answer[-1])
+    except Exception:                                  # not installed, or another API
+        pass
+    try:
+        import ctypes
+        count = ctypes.c_size_t(0)
+        if ctypes.CDLL("libcuda.so.1").cuGraphGetNodes(
+                ctypes.c_void_p(handle), None, ctypes.byref(count)) == 0:
+            return int(count.value)
+    except Exception:
+        pass
+    return None
+
+
+def _as_rows(batch: Batch) -> Batch:
+    """A prefill as decode rows: every new token a row of its own, at its position, with its
+    sequence's page table and a length of position + 1, so that the decode kernel's attention
+    over a row's first position + 1 tokens is exactly causal attention."""
+    rows = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)
+    return batch._replace(query_lens=np.ones(len(rows), np.int32),
+                          seq_lens=(batch.positions + 1).astype(np.int32),
+                          block_tables=batch.block_tables[rows])
+
+
+def _last_rows(batch: Batch) -> np.ndarray:
+    """The row of each sequence's last new token."""
+    return np.cumsum(batch.query_lens) - 1
+
+
+def _join(first: Batch, then: Batch) -> Batch:
+    """Two batches as one: ``first``'s sequences, then ``then``'s (page tables -1 padded to
+    the wider; copy-on-write copies in that order)."""
+    k, w = len(first.query_lens), max(first.block_tables.shape[1], then.block_tables.shape[1])
+    tables = np.full((k + len(then.query_lens), w), -1, np.int32)
+    tables[:k, :first.block_tables.shape[1]] = first.block_tables
+    tables[k:, :then.block_tables.shape[1]] = then.block_tables
+    cat = lambda a, b: np.concatenate([a, b]).astype(np.int32)  # noqa: E731
+    return Batch(*(cat(a, b) for a, b in zip(first[:5], then[:5])), tables,
+                 cat(first.copies, then.copies).reshape(-1, 2))
 
 
 def _host_int32(n: int, pinned: bool) -> np.ndarray:

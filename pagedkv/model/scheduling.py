@@ -209,8 +209,10 @@ class Scheduling(Memory):
         return True
 
     def grow(self, reqs) -> bool:
-        """One more token for every sequence of ``reqs``: the step's plan, or False."""
-        seqs = [s for r in reqs for s in r.live]  # (a request done at its first token: none)
+        """One more token for every sequence of ``reqs``: the step's plan, or False. (A
+        request done at its first token has no sequence; one whose first token the step's
+        single pass will choose, none yet.)"""
+        seqs = [s for r in reqs if r.prefilled for s in r.live]
         self.step_seqs = seqs
         if not seqs:
             return True
