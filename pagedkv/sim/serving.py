@@ -166,12 +166,14 @@ class PolicyMemory(Memory):
 
 
 def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BUDGET,
-          chunked_prefill: bool = False, observers=(), preempt=newest):
+          chunked_prefill: bool = False, observers=(), preempt=newest,
+          scheduler=Scheduler):
     """Serve every request of ``workload`` with ``policy``, at most ``max_seqs`` at once
     and ``token_budget`` tokens computed a step (``chunked_prefill``: a prompt may be
     prefilled over several steps); ``preempt(batch)`` names the running request that
-    gives its memory back when a step runs out of it. Returns the :class:`Run`
-    measured."""
+    gives its memory back when a step runs out of it. ``scheduler`` is the class that
+    decides (:class:`~pagedkv.scheduler.Scheduler` or a subclass of it, built with the
+    same arguments). Returns the :class:`Run` measured."""
     max_seqs = positive_int(max_seqs, "max_seqs")
     token_budget = positive_int(token_budget, "token_budget")
     if workload.longest > token_budget and not chunked_prefill:
@@ -182,7 +184,10 @@ def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BU
     watch = Observers([recorder, *observers])
     batch = Running()
     memory = PolicyMemory(policy, watch, batch)
-    sched = Scheduler(memory, max_seqs=max_seqs, token_budget=token_budget,
+    if not (isinstance(scheduler, type) and issubclass(scheduler, Scheduler)):
+        raise ConfigError(f"scheduler must be Scheduler or a subclass of it, got "
+                          f"{scheduler!r}")
+    sched = scheduler(memory, max_seqs=max_seqs, token_budget=token_budget,
                       chunked_prefill=chunked_prefill,
                       victim=lambda running: batch.reqs[preempt(batch)])
     queue = Queue(workload.requests, sched.waiting)
