@@ -5,7 +5,7 @@ best ``width`` survive, and each survivor names its parent beam. A parent's firs
 candidate continues the beam itself; every further one is a **fork** (a new sequence that
 shares the parent's blocks, copy-on-write); a beam that no survivor descends from is
 **pruned**. The simulation (:func:`pagedkv.sim.beam_search`) and the model engine
-(:class:`pagedkv.model.generate.Engine`) both take that step through :func:`follow`.
+(:class:`pagedkv.model.engine.Engine`) both take that step through :func:`follow`.
 """
 from __future__ import annotations
 

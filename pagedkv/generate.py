@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _params(args):
-    from .model.generate import SamplingParams
+    from .model.requests import SamplingParams
     for prompt in args.prompt:
         if not prompt.strip():
             raise _BadInput("the prompt is empty")
@@ -74,7 +74,7 @@ def run(args, out=sys.stdout) -> int:
     from .checks import cdiv
     from .model import Llama, Tokenizer, load_gguf
     from .model.blas import single_thread_blas
-    from .model.generate import Engine
+    from .model.engine import Engine
     from .model.tokenizer import DEFAULT_SYSTEM
 
     params = _params(args)

@@ -1,7 +1,7 @@
 """The scheduler: each step, who runs and how many tokens each computes.
 
 One scheduler serves both the simulation (:func:`pagedkv.sim.serve`) and the model engine
-(:class:`pagedkv.model.generate.Engine`). It decides and touches no K/V. It keeps three
+(:class:`pagedkv.model.engine.Engine`). It decides and touches no K/V. It keeps three
 queues of requests, each in order:
 
 * ``waiting`` — not admitted yet, first come, first served (a request preempted by

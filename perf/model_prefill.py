@@ -30,8 +30,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from pagedkv import backend  # noqa: E402
 from pagedkv.checks import cdiv  # noqa: E402
 from pagedkv.model import Llama, load_gguf  # noqa: E402
-from pagedkv.model.generate import Engine, SamplingParams  # noqa: E402
+from pagedkv.model.engine import Engine  # noqa: E402
 from pagedkv.model.gguf import model_path  # noqa: E402
+from pagedkv.model.requests import SamplingParams  # noqa: E402
 
 
 def now() -> float:

@@ -8,8 +8,8 @@ import numpy as np
 
 from pagedkv import backend
 from pagedkv.model import Batch, Llama, LlamaConfig, PagedKV, forward, random_weights
-from pagedkv.model.generate import SamplingParams
 from pagedkv.model.reference import reference_generate
+from pagedkv.model.requests import SamplingParams
 from pagedkv.spec import KVSpec
 
 __all__ = ["kv_spec_from_hf", "greedy_paged"]

@@ -306,7 +306,8 @@ def check_StopIncluded(impl=StopIncluded, seed=15, trials=40):
     with no stop string is the oracle; asked again with stop strings drawn from it, the
     answer must be its shortest prefix that holds one of them, streamed or not, ending
     with finish reason "stop", and every block back in the pool."""
-    from pagedkv.model.generate import Engine, SamplingParams
+    from pagedkv.model.engine import Engine
+    from pagedkv.model.requests import SamplingParams
     from pagedkv.serve.loop import EngineLoop
     from pagedkv.serve.models import load
     print(f"seed={seed}")

@@ -13,8 +13,9 @@ from pagedkv.errors import ConfigError
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.disagg import decode, disaggregated, prefill
-from pagedkv.model.generate import Engine, SamplingParams
+from pagedkv.model.engine import Engine
 from pagedkv.model.llama import PagedKV, forward
+from pagedkv.model.requests import SamplingParams
 from pagedkv.model.tensor_parallel import shard, shard_caches, tp_forward
 from pagedkv.transfer import nccl_env, pool_blocks
 

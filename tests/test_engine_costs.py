@@ -8,7 +8,8 @@ import pagedkv.prefix_cache as prefix_cache
 from pagedkv.errors import ConfigError
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
-from pagedkv.model.generate import Engine, SamplingParams
+from pagedkv.model.engine import Engine
+from pagedkv.model.requests import SamplingParams
 
 single_thread_blas()
 

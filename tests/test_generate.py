@@ -11,8 +11,10 @@ from pagedkv.errors import ConfigError
 from pagedkv.generate import main
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
-from pagedkv.model.generate import Engine, SamplingParams, Sequence, beam_select, best_beams
+from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
+from pagedkv.model.requests import SamplingParams, Sequence
+from pagedkv.model.sampling import beam_select, best_beams
 
 single_thread_blas()
 

@@ -227,8 +227,9 @@ def test_tokenizer_round_trip_and_special_tokens(smollm2):
 
 
 def test_real_model_greedy_paris_and_identical_to_reference(smollm2):
-    from pagedkv.model.generate import Engine, SamplingParams
+    from pagedkv.model.engine import Engine
     from pagedkv.model.reference import reference_generate
+    from pagedkv.model.requests import SamplingParams
     _, tok, model = smollm2
     prompt = tok.chat("What is the capital of France?")
     params = SamplingParams(max_new_tokens=12)
@@ -248,8 +249,9 @@ on_gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no GPU: {backend.reason
 @on_gpu
 def test_cupy_float32_generation_equals_reference(tiny):
     """The CuPy path (kernels, float32) gives the NumPy oracle's greedy tokens and beams."""
-    from pagedkv.model.generate import Engine, SamplingParams
+    from pagedkv.model.engine import Engine
     from pagedkv.model.reference import reference_generate
+    from pagedkv.model.requests import SamplingParams
     gpu = Llama(TINY, random_weights(TINY, SEED), xp=backend.xp, dtype=np.float32)
     prompts = [p.tolist() for p in _prompts(SEED)]
     for params in (SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=12,
@@ -265,7 +267,8 @@ def test_cupy_float32_generation_equals_reference(tiny):
 
 @on_gpu
 def test_cupy_float16_real_model_names_paris(smollm2):
-    from pagedkv.model.generate import Engine, SamplingParams
+    from pagedkv.model.engine import Engine
+    from pagedkv.model.requests import SamplingParams
     ckpt, tok, _ = smollm2
     model = Llama(ckpt.config, ckpt.weights)            # float16 on the GPU
     assert model.dtype == np.float16

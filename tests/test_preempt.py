@@ -13,8 +13,9 @@ import pagedkv.model.scheduling as scheduling
 from pagedkv.errors import ConfigError
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
-from pagedkv.model.generate import Engine, SamplingParams
+from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
+from pagedkv.model.requests import SamplingParams
 
 single_thread_blas()
 

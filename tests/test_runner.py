@@ -14,8 +14,9 @@ from pagedkv.kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, s
 from pagedkv.kernels.gemm import gemm
 from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
 from pagedkv.model.blas import single_thread_blas
-from pagedkv.model.generate import Engine, SamplingParams
+from pagedkv.model.engine import Engine
 from pagedkv.model.llama import Batch
+from pagedkv.model.requests import SamplingParams
 from pagedkv.model.runner import FastRunner, buckets, graph_node_count
 
 single_thread_blas()

@@ -21,7 +21,8 @@ import openai
 import pytest
 
 from pagedkv.model.blas import single_thread_blas
-from pagedkv.model.generate import Engine, SamplingParams
+from pagedkv.model.engine import Engine
+from pagedkv.model.requests import SamplingParams
 from pagedkv.serve.models import ByteTokenizer, chat_text, load
 from pagedkv.serve.process import ServerProcess, get_json
 

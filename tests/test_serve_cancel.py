@@ -9,7 +9,8 @@ import pytest
 from pagedkv.errors import ConfigError
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
-from pagedkv.model.generate import Engine, SamplingParams
+from pagedkv.model.engine import Engine
+from pagedkv.model.requests import SamplingParams
 
 single_thread_blas()
 

@@ -394,7 +394,7 @@ def test_a_dead_engine_answers_503_until_the_process_ends():
     /metrics still answers."""
     from starlette.testclient import TestClient
 
-    from pagedkv.model.generate import Engine
+    from pagedkv.model.engine import Engine
     from pagedkv.serve.app import create_app
     from pagedkv.serve.loop import EngineLoop
     from pagedkv.serve.models import load

@@ -16,9 +16,10 @@ from pagedkv import backend
 from pagedkv.errors import ConfigError
 from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
 from pagedkv.model.blas import single_thread_blas
-from pagedkv.model.generate import Engine, SamplingParams
+from pagedkv.model.engine import Engine
 from pagedkv.model.llama import Batch
 from pagedkv.model.reference import reference_generate
+from pagedkv.model.requests import SamplingParams
 from pagedkv.model.runner import FastRunner
 
 single_thread_blas()

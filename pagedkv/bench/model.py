@@ -45,10 +45,11 @@ import numpy as np
 
 from .. import backend
 from ..checks import cdiv
-from ..model import generate as gen_mod
 from ..model import llama as llama_mod
+from ..model import sampling as sampling_mod
 from ..model.blas import single_thread_blas
-from ..model.generate import Engine, SamplingParams
+from ..model.engine import Engine
+from ..model.requests import SamplingParams
 
 QUESTION = "What is the capital of France?"
 IDENTITY_PROMPTS = [(QUESTION, True), (QUESTION, False),
@@ -128,7 +129,7 @@ def breakdown(model, prompt, batch: int, steps: int) -> dict:
     timer.wrap(engine.kv, "copy", "attention")
     timer.wrap(llama_mod, "attend", "attention")
     timer.wrap(engine.manager, "step", "bookkeeping")
-    timer.wrap(gen_mod, "sample", "sampling")
+    timer.wrap(sampling_mod, "sample", "sampling")
     try:
         t = _now()
         for _ in range(steps - 1):

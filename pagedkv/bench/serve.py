@@ -2,7 +2,7 @@
 
 Requests arrive (all at once, or as a Poisson process at ``--rate`` requests a second) and
 SmolLM2-135M-Instruct serves them through the paged cache, the engine stepping continuously
-(:class:`~pagedkv.model.generate.Engine` on the shared scheduler, with a token budget). The
+(:class:`~pagedkv.model.engine.Engine` on the shared scheduler, with a token budget). The
 default workload is nano-vllm's ``bench.py``: 256 requests, ``random.seed(0)``, every prompt
 drawn first (``randint(100, 1024)`` tokens, each ``randint(0, 10000)``), then every output
 length (``randint(100, 1024)``), the end token ignored. ``--quick`` is a CPU-sized run.
@@ -33,7 +33,8 @@ from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
 from ..model.blas import single_thread_blas
-from ..model.generate import Engine, SamplingParams
+from ..model.engine import Engine
+from ..model.requests import SamplingParams
 
 __all__ = ["make_requests", "spike_requests", "spike", "workload", "workload_arguments",
            "check_workload", "options", "serve_pagedkv", "serve_transformers", "latency",

@@ -4,8 +4,10 @@
 * :mod:`~pagedkv.model.tokenizer` turns text into token ids and back, with the chat template;
 * :mod:`~pagedkv.model.llama` is the forward pass with K/V only in pagedkv's pool;
 * :mod:`~pagedkv.model.reference` is the same model on a plain contiguous cache (the oracle);
-* :mod:`~pagedkv.model.generate` runs requests with continuous batching: greedy, sampling,
-  parallel sampling and beam search.
+* :mod:`~pagedkv.model.engine` runs requests with continuous batching: greedy, sampling,
+  parallel sampling and beam search (the requests' types in :mod:`~pagedkv.model.requests`,
+  choosing tokens in :mod:`~pagedkv.model.sampling`), its memory through
+  :mod:`~pagedkv.model.scheduling` and its passes through :mod:`~pagedkv.model.runner`.
 """
 from .gguf import LlamaConfig, ModelNotFound, load_gguf, model_path
 from .llama import Batch, Llama, PagedKV, forward, random_weights

@@ -140,7 +140,7 @@ def _best(seqs, width: int) -> list:
 
 
 def reference_generate(model: Llama, prompt, params, stop_ids=()) -> list:
-    """The same requests as :class:`~pagedkv.model.generate.Engine`, one at a time, each
+    """The same requests as :class:`~pagedkv.model.engine.Engine`, one at a time, each
     sequence with its own contiguous cache (a fork copies the whole cache). Greedy, sampled,
     ``n`` samples or beam search, choosing tokens with its own few lines above (nothing
     from the engine, so that a bug in the engine's choosing shows) and the same order of

@@ -3,7 +3,7 @@ prefill chunks placed in the pool, decode steps, and preemption (recompute or sw
 
 The decisions themselves — who is admitted, how the step's token budget is shared, whom to
 preempt — are :class:`~pagedkv.scheduler.Scheduler`'s, the same scheduler the simulation
-runs on. :class:`Scheduling` is the half of :class:`~pagedkv.model.generate.Engine` that
+runs on. :class:`Scheduling` is the half of :class:`~pagedkv.model.engine.Engine` that
 answers its questions (the :class:`~pagedkv.scheduler.Memory` interface) from the engine's
 manager and, for swapping, its :class:`~pagedkv.swap.Swapper`:
 
@@ -65,7 +65,7 @@ def prefill_prompt(manager, seq):
 
 class Scheduling(Memory):
     """The engine's answers to the scheduler (a mixin of
-    :class:`~pagedkv.model.generate.Engine`)."""
+    :class:`~pagedkv.model.engine.Engine`)."""
 
     def _memory(self, watermark: float, preemption: str, host_blocks: int) -> None:
         """Set the watermark (a share of the pool admission keeps free) and the

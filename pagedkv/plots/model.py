@@ -46,7 +46,7 @@ def draw_block_across_layers(config, block_size: int, dtype_bytes: int = 2,
 
 
 def draw_pool_filling(history, total_blocks: int, *, tokens=None, title=None) -> Figure:
-    """Blocks in use (and shared) after each step of an :class:`~pagedkv.model.generate.Engine`;
+    """Blocks in use (and shared) after each step of an :class:`~pagedkv.model.engine.Engine`;
     with ``tokens`` (text of each generated token) the steps are labelled by them."""
     steps = list(range(1, len(history) + 1))
     used = [h["used_blocks"] for h in history]

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import ConfigError, PagedKVError
-from ..model.generate import SamplingParams
+from ..model.requests import SamplingParams
 
 __all__ = ["ApiError", "Spec", "parse_completion", "parse_chat", "parse_body", "text",
            "MAX_N", "MAX_STOP"]

@@ -32,7 +32,7 @@ def make_engine(options: dict):
     (the engine's process, or the server's with ``--engine thread``)."""
     from .. import backend
     from ..model.blas import single_thread_blas
-    from ..model.generate import Engine
+    from ..model.engine import Engine
     from .models import load
 
     single_thread_blas()

@@ -25,177 +25,30 @@ A request asks for greedy decoding, sampling (temperature, top-p, a seeded gener
 parallel samples (the prompt is prefilled once and forked ``n`` ways) or beam search of width
 ``k`` (beams fork when a beam has several good continuations and are freed when it has none;
 copy-on-write copies the partly filled last block of a forked beam when it is first written).
-
-Every sequence's list of tokens ends with its *pending* token: sampled, but its K/V not yet in the
-cache. The manager counts only the tokens whose K/V are in the cache. The sequence is its tokens'
-one owner: the manager keeps only the ids of a partly filled block (a full one it names by their
-hash), and a swapped-out sequence's come back from here.
+The request types are :mod:`pagedkv.model.requests`'; choosing each sequence's next token is
+:mod:`pagedkv.model.sampling`'s part of the engine.
 """
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import backend
-from ..beams import follow
-from ..checks import cdiv, is_int, positive_int, token_ids
+from ..checks import cdiv, positive_int, token_ids
 from ..errors import AuditError, ConfigError
 from ..prefix_cache import PrefixCachingManager
 from .llama import Batch, Llama, PagedKV
 from ..scheduler import Scheduler
+from .requests import Request, SamplingParams, Sequence
 from .runner import FastRunner, ModelRunner
+from .sampling import Choosing
 from .scheduling import Counts, Scheduling
 
-__all__ = ["SamplingParams", "Sequence", "Request", "Engine", "sample", "log_softmax_topk",
-           "beam_select", "best_beams"]
+__all__ = ["Engine"]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request is decoded. ``temperature == 0`` is greedy; ``beam_width > 1`` is beam
-    search (greedy, ``n == 1``); ``n > 1`` needs a temperature (else the samples are equal)."""
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    n: int = 1
-    beam_width: int = 1
-    seed: int | None = None
-    ignore_eos: bool = False   # an end token does not end the answer (benchmarks' lengths)
-    min_tokens: int = 0        # no end token among the first min_tokens (it is masked)
-
-    def __post_init__(self):
-        positive_int(self.max_new_tokens, "max_new_tokens")
-        positive_int(self.n, "n")
-        positive_int(self.beam_width, "beam_width")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ConfigError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.n > 1 and self.temperature == 0:
-            raise ConfigError(f"n = {self.n} samples need a temperature > 0 "
-                              "(greedy decoding would give n equal answers)")
-        if self.beam_width > 1 and (self.n > 1 or self.temperature > 0):
-            raise ConfigError("beam search is greedy: give beam_width alone, without n or "
-                              "temperature")
-        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
-            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not (is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_new_tokens):
-            raise ConfigError(f"min_tokens must be an integer in [0, max_new_tokens = "
-                              f"{self.max_new_tokens}], got {self.min_tokens!r}")
-        if self.beam_width > 1 and (self.ignore_eos or self.min_tokens):
-            raise ConfigError("beam search ends its hypotheses at the end token: give "
-                              "ignore_eos and min_tokens without beam_width")
-
-    @property
-    def width(self) -> int:
-        """How many sequences the request runs at once."""
-        return max(self.n, self.beam_width)
-
-
-@dataclass
-class Sequence:
-    seq_id: int
-    tokens: list          # prompt + generated; the last one is pending (not yet in the cache)
-    prompt_len: int
-    score: float = 0.0    # sum of the log-probabilities of the generated tokens (beam search)
-    parent: int | None = None  # the sequence this one was forked from
-    prefill: object = field(default=None, repr=False)  # its tokens to prefill, hashed once
-
-    @property
-    def generated(self) -> list:
-        return self.tokens[self.prompt_len:]
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-
-@dataclass(eq=False)                   # compared and hashed by identity: the scheduler's keys
-class Request:
-    request_id: int
-    prompt: list
-    params: SamplingParams
-    rng: np.random.Generator
-    live: list = field(default_factory=list)      # sequences still decoding
-    finished: list = field(default_factory=list)  # completed samples or beam hypotheses
-    hashed: object = field(default=None, repr=False)  # the prompt, checked and hashed
-    prefilled: bool = False   # its K/V are in the cache: it decodes
-
-    @property
-    def done(self) -> bool:
-        return bool(self.finished) and not self.live
-
-    def outputs(self) -> list:
-        """The answers, best first for beam search (by score per generated token)."""
-        if self.params.beam_width == 1:
-            return list(self.finished)
-        return best_beams(self.finished, self.params.beam_width)
-
-
-# ---------------------------------------------------------------------- choosing tokens
-
-def sample(logits, temperature: float, top_p: float, u) -> np.ndarray:
-    """One token per row of ``logits`` [B, vocab] (on the device). ``u`` [B] are uniform
-    numbers from the request's generator (host): the token is where ``u`` falls in the
-    cumulative distribution, tokens sorted most likely first, cut at ``top_p``."""
-    xp = backend.xp if not isinstance(logits, np.ndarray) else np
-    if temperature == 0:
-        return backend.to_numpy(xp.argmax(logits, axis=1)).astype(np.int64)
-    z = logits / np.float32(temperature)
-    p = xp.exp(z - z.max(axis=1, keepdims=True))
-    order = xp.argsort(-p, axis=1)                     # most likely first
-    ps = xp.take_along_axis(p, order, axis=1)
-    cum = xp.cumsum(ps, axis=1)
-    ps = xp.where(cum - ps < top_p * cum[:, -1:], ps, 0)  # the nucleus (the first always stays)
-    cum = xp.cumsum(ps, axis=1)
-    target = xp.asarray(np.asarray(u, dtype=np.float32))[:, None] * cum[:, -1:]
-    idx = xp.minimum((cum <= target).sum(axis=1), logits.shape[1] - 1)
-    return backend.to_numpy(order[xp.arange(len(idx)), idx]).astype(np.int64)
-
-
-def log_softmax_topk(logits, k: int):
-    """The ``k`` most likely tokens of each row and their log-probabilities (host arrays)."""
-    xp = backend.xp if not isinstance(logits, np.ndarray) else np
-    z = logits - logits.max(axis=1, keepdims=True)
-    lp = z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
-    ids = xp.argsort(-lp, axis=1)[:, :k]
-    return backend.to_numpy(xp.take_along_axis(lp, ids, axis=1)), backend.to_numpy(ids)
-
-
-def best_beams(seqs, width: int) -> list:
-    """The ``width`` best hypotheses, by log-probability per generated token."""
-    key = lambda s: (-s.score / max(1, len(s.generated)), s.generated)  # noqa: E731
-    return sorted(seqs, key=key)[:width]
-
-
-def beam_select(scores, top_lp, top_ids, width: int, stop_ids):
-    """One beam-search step. Candidates are (beam b, token t) with score ``scores[b] +
-    top_lp[b, j]``, ranked best first (ties: lower beam, then lower token). Walking down the
-    ranks, a candidate that ends the answer becomes a finished hypothesis if its rank is below
-    ``width``; the others continue until ``width`` of them are taken. Returns ``(continuing,
-    ended)``, lists of ``(beam, token, score)``."""
-    cands = sorted(((float(s + lp), b, int(t)) for b, s in enumerate(scores)
-                    for lp, t in zip(top_lp[b], top_ids[b])), key=lambda c: (-c[0], c[1], c[2]))
-    continuing, ended = [], []
-    for rank, (score, b, t) in enumerate(cands):
-        if t in stop_ids:
-            if rank < width:
-                ended.append((b, t, score))
-        else:
-            continuing.append((b, t, score))
-            if len(continuing) == width:
-                break
-    return continuing, ended
-
-
-# ---------------------------------------------------------------------- the engine
-
-class Engine(Scheduling):
+class Engine(Scheduling, Choosing):
     """Requests in, answers out, on one model and one paged cache.
 
     Admission takes a request when the blocks it needs to start are free; when a decode step
@@ -409,20 +262,6 @@ class Engine(Scheduling):
             block_tables=block_tables,
             copies=np.concatenate(copies).astype(np.int32).reshape(-1, 2))
 
-    def _first_tokens(self, req: Request, logits) -> None:
-        """The prompt is in the cache: choose the first token(s) from its last logits."""
-        p, seq = req.params, req.live[0]
-        if p.beam_width > 1:
-            self._beam_step(req, logits)
-            return
-        if p.n > 1:                                    # parallel sampling: fork the prompt
-            children = [self._new_seq(seq.tokens, seq.prompt_len, parent=seq.seq_id)
-                        for _ in range(p.n - 1)]
-            self.manager.fork(seq.seq_id, *(c.seq_id for c in children))
-            req.live.extend(children)
-            logits = logits[[0] * p.n]
-        self._sample_step(req, logits)
-
     # ------------------------------------------------------------------ 2. decode
     def run_decode(self, reqs) -> None:
         """One token for every live sequence of ``reqs``: their ``manager.step()`` plan
@@ -478,101 +317,6 @@ class Engine(Scheduling):
             query_lens=np.ones(len(seqs), dtype=np.int32), seq_lens=plan.seq_lens,
             block_tables=plan.block_tables, copies=plan.copies)
 
-    def _decoded(self, reqs, logits, greedy) -> None:
-        """Each request takes its rows' tokens (``greedy``: the runner's greedy choices, or
-        None): the greedy fast path, a beam step or a sampling step."""
-        start = 0
-        for req in reqs:
-            end = start + len(req.live)
-            p = req.params
-            if greedy is not None and end == start + 1 and p.temperature == 0 \
-                    and p.beam_width == 1 and not self._masked(req, greedy[start:end]):
-                seq = req.live[0]                    # the common case, without a call
-                seq.tokens.append(greedy[start])
-                if self._ends(p, seq):
-                    self._retire(req, seq)
-            elif p.beam_width > 1:
-                self._beam_step(req, logits[start:end])
-            else:
-                self._sample_step(req, logits[start:end],
-                                  None if greedy is None else greedy[start:end])
-            start = end
-
-    def _sample_step(self, req: Request, logits, greedy=None) -> None:
-        """Greedy or sampled: each live sequence takes one token from its row (``greedy``:
-        the rows' greedy tokens, when the runner chose them already)."""
-        p = req.params
-        u = req.rng.random(len(req.live)) if p.temperature > 0 else None
-        if p.temperature == 0 and greedy is not None and not self._masked(req, greedy):
-            tokens = greedy
-        else:
-            tokens = sample(self._mask(req, logits), p.temperature, p.top_p, u).tolist()
-        for seq, t in zip(req.live, tokens):
-            seq.tokens.append(int(t))
-        for seq in list(req.live):
-            if self._ends(p, seq):
-                self._retire(req, seq)
-
-    def _ends(self, p: SamplingParams, seq: Sequence) -> bool:
-        """Does the token just chosen end the sequence: its limit, or an end token?"""
-        return seq.num_generated >= p.max_new_tokens or \
-            (seq.tokens[-1] in self.stop_ids and not p.ignore_eos)
-
-    def _early(self, req: Request) -> list:
-        """Rows whose next token may not be an end token yet (``min_tokens``)."""
-        if not req.params.min_tokens or not self.stop_ids:
-            return []
-        return [i for i, s in enumerate(req.live) if s.num_generated < req.params.min_tokens]
-
-    def _masked(self, req: Request, tokens) -> bool:
-        """Did a row choose an end token that ``min_tokens`` forbids?"""
-        return any(tokens[i] in self.stop_ids for i in self._early(req))
-
-    def _mask(self, req: Request, logits):
-        """The logits with the end tokens taken out of the rows ``min_tokens`` holds."""
-        rows = self._early(req)
-        if not rows:
-            return logits
-        logits = logits.copy()
-        for i in rows:
-            logits[i, sorted(self.stop_ids)] = -np.inf
-        return logits
-
-    def _beam_step(self, req: Request, logits) -> None:
-        """Beam search: rank every (beam, next token); fork the beams chosen more than once,
-        free the ones not chosen, keep the finished hypotheses."""
-        k = req.params.beam_width
-        top_lp, top_ids = log_softmax_topk(logits, 2 * k)
-        beams = req.live
-        continuing, ended = beam_select([b.score for b in beams], top_lp, top_ids, k,
-                                        self.stop_ids)
-        for b, t, score in ended:                      # finished: no cache needed
-            req.finished.append(self._new_seq(beams[b].tokens + [t], beams[b].prompt_len,
-                                              score, parent=beams[b].seq_id))
-        def fork(parent, j):                           # a second child: share the blocks
-            _, t, score = continuing[j]
-            child = self._new_seq(parent.tokens + [t], parent.prompt_len, score,
-                                  parent=parent.seq_id)
-            self.manager.fork(parent.seq_id, child.seq_id)
-            return child
-
-        req.live = follow(beams, [b for b, _, _ in continuing], fork,
-                          lambda beam: self.manager.free(beam.seq_id))
-        for beam, (b, t, score) in zip(req.live, continuing):
-            if beam is beams[b]:                       # the first child continues the beam
-                beam.tokens.append(t)
-                beam.score = score
-        full = req.live and len(req.live[0].generated) >= req.params.max_new_tokens
-        if len(req.finished) >= k or full or not req.live:
-            for seq in list(req.live):
-                self._retire(req, seq)
-
-    def _retire(self, req: Request, seq: Sequence) -> None:
-        """A sequence is complete: free its blocks, keep its tokens."""
-        self.manager.free(seq.seq_id)
-        req.live.remove(seq)
-        req.finished.append(seq)
-
     # ------------------------------------------------------------------ 3. finish
     def finish(self) -> None:
         for req in [r for r in self.running if r.done]:
@@ -627,4 +371,3 @@ class Engine(Scheduling):
         req.finished.extend(req.live)
         req.live = []
         return True
-
