@@ -1,4 +1,4 @@
-"""Sampling a batch on the device, timed beside greedy decoding and beside today's per-request path.
+"""Sampling a batch on the device, timed beside greedy decoding and today's per-request path.
 
     python perf/sampling_check.py --json OUT.json           # on a GPU: batch 64 and 256
     python perf/sampling_check.py --quick --json OUT.json   # anywhere (NumPy on a CPU)

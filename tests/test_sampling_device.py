@@ -1,11 +1,11 @@
-"""Tests of pagedkv.kernels.sampling: sampling a batch in one call (NumPy always, CuPy with a GPU).
+"""Tests of pagedkv.kernels.sampling: a batch sampled in one call (NumPy; CuPy with a GPU).
 
 The oracle is the exact categorical distribution, computed here in float64 with a loop per
 row and nothing from the module under test: the softmax of ``logits / T``, ranked most
-likely first (equal values by token id), cut to the first ``k`` ranks, then to the smallest
-prefix whose share of their mass is at least ``top_p``. Draws are compared with it by
-Pearson's chi-square test, failing below a p-value of 1e-6; a draw outside the oracle's support fails at
-once. Every case prints its seed.
+likely first (equal values by token id), cut to the first ``k`` ranks, then to the
+smallest prefix whose share of their mass is at least ``top_p``. Draws are compared with
+it by Pearson's chi-square test, failing below a p-value of 1e-6; a draw outside the
+oracle's support fails at once. Every case prints its seed.
 """
 from __future__ import annotations
 
@@ -188,7 +188,8 @@ def _p_away_from_prefixes(rng, logits, t, k, gap=1e-4):
 def test_kept_set_is_the_smallest_prefix_with_the_mass(xp):
     rng = rng_for(23)
     rows, vocab = 120, 60
-    logits = (rng.normal(size=(rows, vocab)) * rng.uniform(0.3, 4, (rows, 1))).astype(np.float32)
+    scale = rng.uniform(0.3, 4, (rows, 1))
+    logits = (rng.normal(size=(rows, vocab)) * scale).astype(np.float32)
     t = rng.uniform(0.3, 2.0, rows)
     k = rng.choice([0, 1, 3, 10, 59, 60, 100], rows)
     p = np.array([1.0 if i % 7 == 0 else _p_away_from_prefixes(rng, logits[i], t[i], k[i])
@@ -263,6 +264,36 @@ def test_a_large_vocabulary_follows_the_distribution(xp):
     ok, stat, pvalue = fits(tokens, q)
     print(f"kept {np.count_nonzero(q)} of 4096, chi-square {stat:.1f}, p-value {pvalue:.3g}")
     assert ok
+
+
+def exact_inverse_cdf(logits, t, top_p, top_k, u):
+    """The token sample_rows must choose for uniform ``u``, one row, the sums in long double
+    (x87's 80 bits on x86) from the float32 probabilities: the rule, without rounding."""
+    z = logits / np.float32(t)
+    rank = np.lexsort((np.arange(len(z)), -z))               # most likely first, ties by id
+    p = np.exp(z[rank] - z[rank[0]]).astype(np.longdouble)
+    k = len(z) if top_k == 0 else min(top_k, len(z))
+    p[k:] = 0
+    before = np.cumsum(p) - p
+    kept = np.arange(len(z)) < k
+    if top_p < 1:
+        kept &= before < np.longdouble(np.float32(top_p)) * p.sum()
+    cum = np.cumsum(np.where(kept, p, 0))
+    j = min(int(np.count_nonzero(cum <= np.longdouble(u) * cum[-1])), int(kept.sum()) - 1)
+    return int(rank[j])
+
+
+def test_a_large_vocabulary_chooses_the_exact_inverse_cdf(xp):
+    rng = rng_for(43)
+    rows, vocab = 60, 49_152
+    logits = (rng.normal(size=(rows, vocab)) * 2).astype(np.float32)
+    t, p = rng.uniform(0.5, 1.5, rows), rng.choice([0.5, 0.9, 1.0], rows)
+    k = rng.choice([0, 0, 40], rows)
+    seeds, counters = rng.integers(0, 2**62, rows), np.arange(rows)
+    got = host(sample_rows(xp.asarray(logits), t, p, k, seeds, counters))
+    u = uniforms(seeds, counters)
+    want = [exact_inverse_cdf(logits[i], t[i], p[i], k[i], u[i]) for i in range(rows)]
+    assert got.tolist() == want
 
 
 # ------------------------------------------------------------------ determinism, independence
@@ -389,5 +420,5 @@ def test_gpu_draws_the_numpy_tokens():
     on_gpu = host(sample_rows(cp.asarray(logits), cp.asarray(t), cp.asarray(p), cp.asarray(k),
                               cp.asarray(seeds), cp.asarray(counters)))
     differ = int((on_cpu != on_gpu).sum())
-    print(f"{differ} of {rows} rows differ (near-ties in float32 rounding)")
+    print(f"{differ} of {rows} rows differ (true near-ties only, with float64 sums)")
     assert differ <= 2

@@ -31,13 +31,16 @@ What the tokens are masked with is the caller's: a banned token (an end token be
 chosen while the row has a finite logit.
 
 Exactness and its limits. The distribution sampled is the softmax of ``logits / T``
-restricted to the kept set, up to float32 rounding: ``u`` has 24 bits (steps of 2**-24),
-and a token whose ``p`` is below the float32 resolution of the running sum (about 2**-24
-of it) adds nothing to the sum and is never drawn, as on the host. NumPy and CuPy draw the
-same ``u`` exactly, but their ``exp`` and running sums may round the last bit differently,
-so in rare near-ties (two ``p`` within an ulp at a top-p cut, or ``u`` within an ulp of a
-boundary of the running sum) the GPU may choose a different token than NumPy; on inputs
-without such near-ties the two agree token for token.
+restricted to the kept set, up to rounding: ``p`` is float32 and ``u`` has 24 bits (steps of
+2**-24), but the running sums behind the top-p cut and the choice are float64. In float32 a
+left-to-right sum over 49,152 tokens is off by 1e-5 to 2e-4 of itself (random logits), and
+depends on the order it is added in: a GPU scan adds in another order than NumPy's left-to-right
+``cumsum``, and with float32 sums the two chose different tokens (a neighbouring rank)
+on 16 of 512 rows of SmolLM2's vocabulary; in float64 the difference is ~1e-16, and only a
+true near-tie tells them apart: ``u`` within that of a boundary, or a ``p`` whose float32
+``exp`` the GPU rounds the other way sitting exactly at a top-p cut. The host sampler's sums
+are float32: on a small vocabulary it chooses the same tokens for the same ``u``, on 49,152
+tokens it takes a neighbouring rank on some rows, where its sums have drifted.
 
 The cost on a GPU is one sort of the batch's logits (CuPy's stable sort) and a few passes
 over them; ``perf/sampling_check.py`` measures it beside ``argmax_rows``.
@@ -76,7 +79,8 @@ def uniforms(seeds, counters, xp=np):
     stream that starts at ``splitmix64(seed)``, its top 24 bits over 2**24 (exact in
     float32, and below 1)."""
     u = xp.uint64
-    state = splitmix64(xp.asarray(seeds, dtype=u), xp) + xp.asarray(counters, dtype=u) * u(GOLDEN)
+    start = splitmix64(xp.asarray(seeds, dtype=u), xp)
+    state = start + xp.asarray(counters, dtype=u) * u(GOLDEN)
     bits = splitmix64(state, xp) >> u(40)
     return bits.astype(xp.float32) * xp.float32(2.0 ** -24)
 
@@ -111,9 +115,9 @@ def keep_ranked(p, top_p, top_k, xp=np):
     k = xp.asarray(top_k, dtype=xp.int64)
     k = xp.where((k > 0) & (k < vocab), k, vocab)
     in_k = xp.arange(vocab)[None, :] < k[:, None]
-    pk = xp.where(in_k, p, xp.float32(0))
+    pk = xp.where(in_k, p, xp.float32(0)).astype(xp.float64)    # float64 sums: see above
     cum = xp.cumsum(pk, axis=1)
-    tp = xp.asarray(top_p, dtype=xp.float32)[:, None]
+    tp = xp.asarray(top_p, dtype=xp.float32).astype(xp.float64)[:, None]
     return in_k & ((cum - pk < tp * cum[:, -1:]) | (tp >= 1))
 
 
@@ -130,9 +134,9 @@ def sample_rows(logits, temperature, top_p, top_k, seeds, counters):
         ("temperature", "top_p", "top_k", "seeds", "counters")))
     order, p = ranked(logits, t, xp)
     keep = keep_ranked(p, tp, tk, xp)
-    cum = xp.cumsum(xp.where(keep, p, xp.float32(0)), axis=1)
-    target = uniforms(s, c, xp)[:, None] * cum[:, -1:]
-    last = keep.sum(axis=1) - 1                 # rounding can put target at the total: stop there
+    cum = xp.cumsum(xp.where(keep, p, xp.float32(0)).astype(xp.float64), axis=1)
+    target = uniforms(s, c, xp).astype(xp.float64)[:, None] * cum[:, -1:]
+    last = keep.sum(axis=1) - 1           # rounding may put target at the total: stop there
     pick = xp.minimum((cum <= target).sum(axis=1), last)
     pick = xp.where(xp.asarray(t, dtype=xp.float32) > 0, pick, 0)   # greedy: the first rank
     return order[xp.arange(rows), pick].astype(xp.int32)
