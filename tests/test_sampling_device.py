@@ -1,0 +1,424 @@
+"""Tests of pagedkv.kernels.sampling: a batch sampled in one call (NumPy; CuPy with a GPU).
+
+The oracle is the exact categorical distribution, computed here in float64 with a loop per
+row and nothing from the module under test: the softmax of ``logits / T``, ranked most
+likely first (equal values by token id), cut to the first ``k`` ranks, then to the
+smallest prefix whose share of their mass is at least ``top_p``. Draws are compared with
+it by Pearson's chi-square test, failing below a p-value of 1e-6; a draw outside the
+oracle's support fails at once. Every case prints its seed.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from _backends import XP_PARAMS, host, resolve
+from pagedkv import backend
+from pagedkv.errors import ConfigError
+from pagedkv.kernels.fused import argmax_rows
+from pagedkv.kernels.sampling import (derive_seed, kept_tokens, sample_rows, splitmix64,
+                                      uniforms)
+
+try:                                   # the engine's host sampler, the semantics to agree with
+    from pagedkv.model.sampling import sample as host_sample
+except ImportError:
+    from pagedkv.model.generate import sample as host_sample
+
+MASK = 2**64 - 1
+
+
+@pytest.fixture(params=XP_PARAMS)
+def xp(request):
+    return resolve(request.param)
+
+
+def rng_for(seed):
+    print(f"seed = {seed}")
+    return np.random.default_rng(seed)
+
+
+# ------------------------------------------------------------------ the oracle
+
+def oracle_probs(logits, t, top_p=1.0, top_k=0, cut=None):
+    """The exact distribution of one row (float64); ``cut`` forces the kept count (a wrong
+    oracle, to show that the check rejects it)."""
+    z = np.asarray(logits, np.float64) / t
+    rank = sorted(range(len(z)), key=lambda i: (-z[i], i))
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    k = len(z) if top_k == 0 else min(top_k, len(z))
+    head = [p[i] for i in rank[:k]]
+    share = np.cumsum(head) / sum(head)
+    m = k if top_p >= 1 else next(j + 1 for j in range(k) if share[j] >= top_p)
+    m = m if cut is None else cut
+    q = np.zeros(len(z))
+    for i in rank[:m]:
+        q[i] = p[i]
+    return q / q.sum()
+
+
+def chi2_sf(x, df):
+    """P(chi-square with ``df`` degrees of freedom > x): 1 - the regularised lower incomplete
+    gamma function P(df/2, x/2), summed from its power series."""
+    a, h = df / 2, x / 2
+    if h <= 0:
+        return 1.0
+    term = total = 1.0 / a
+    n = 0
+    while term > total * 1e-17:
+        n += 1
+        term *= h / (a + n)
+        total += term
+    return max(0.0, 1.0 - math.exp(a * math.log(h) - h - math.lgamma(a)) * total)
+
+
+def fits(draws, q, alpha=1e-6):
+    """(does the sample fit q, chi-square statistic, its p-value): no draw outside q's
+    support, and Pearson's chi-square over the tokens with expected count >= 5 (the rest
+    pooled into one cell) not beyond its 1 - alpha quantile."""
+    n = len(draws)
+    counts = np.bincount(draws, minlength=len(q))
+    if np.any(counts[q == 0] > 0):
+        return False, math.inf, 0.0
+    big, small = n * q >= 5, (n * q < 5) & (q > 0)
+    obs, exp = list(counts[big]), list(n * q[big])
+    if small.any():
+        obs.append(counts[small].sum())
+        exp.append(n * q[small].sum())
+    stat = float(sum((o - e) ** 2 / e for o, e in zip(obs, exp)))
+    pvalue = chi2_sf(stat, max(1, len(obs) - 1))
+    return pvalue >= alpha, stat, pvalue
+
+
+def draw(xp, logits_row, n, t, top_p, top_k, seed, counter0=0):
+    """n tokens for one row of logits: n copies of it, counters counter0 .. counter0+n-1."""
+    rows = xp.asarray(np.tile(np.asarray(logits_row, np.float32), (n, 1)))
+    return host(sample_rows(rows, t, top_p, top_k, seed,
+                            np.arange(counter0, counter0 + n))).astype(np.int64)
+
+
+# ------------------------------------------------------------------ random numbers
+
+def splitmix64_py(x):
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def test_splitmix64_matches_python_integers(xp):
+    rng = rng_for(11)
+    xs = [int(v) for v in rng.integers(0, 2**63, 200, dtype=np.uint64)] + [0, 1, MASK, 2**63]
+    got = host(splitmix64(xp.asarray(np.array(xs, dtype=np.uint64)), xp))
+    assert [int(v) for v in got] == [splitmix64_py(v) for v in xs]
+    # the published first output of splitmix64 seeded with 0
+    assert splitmix64_py(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+
+
+def test_uniforms_are_the_hash_of_seed_and_counter(xp):
+    rng = rng_for(12)
+    seeds = rng.integers(0, 2**63, 100, dtype=np.uint64)
+    counters = rng.integers(0, 10**6, 100)
+    got = host(uniforms(xp.asarray(seeds), xp.asarray(counters), xp))
+    want = [(splitmix64_py((splitmix64_py(int(s)) + int(c) * 0x9E3779B97F4A7C15) & MASK)
+             >> 40) / 2**24 for s, c in zip(seeds, counters)]
+    assert got.dtype == np.float32 and got.tolist() == want
+
+
+def test_uniforms_are_uniform_and_pairs_independent():
+    n = 200_000
+    u = uniforms(np.full(n + 1, 20261203, dtype=np.uint64), np.arange(n + 1))
+    assert u.min() >= 0 and u.max() < 1
+    ok, stat, pvalue = fits(np.minimum((u[:n] * 50).astype(np.int64), 49), np.full(50, 1 / 50))
+    print("1-D chi-square", stat, "p-value", pvalue)
+    assert ok
+    # consecutive counters: the pairs fill a 10 x 10 grid evenly
+    cell = np.minimum((u[:n] * 10).astype(np.int64), 9) * 10 + \
+        np.minimum((u[1:] * 10).astype(np.int64), 9)
+    ok, stat, pvalue = fits(cell, np.full(100, 1 / 100))
+    print("pairs chi-square", stat, "p-value", pvalue)
+    assert ok
+    # neighbouring seeds too
+    v = uniforms(np.arange(n, dtype=np.uint64), np.zeros(n, dtype=np.int64))
+    ok, stat, pvalue = fits(np.minimum((v * 50).astype(np.int64), 49), np.full(50, 1 / 50))
+    assert ok, (stat, pvalue)
+    assert abs(np.corrcoef(u[:n], v)[0, 1]) < 0.02
+
+
+def test_derived_seeds_differ():
+    seeds = {derive_seed(7, i) for i in range(1000)} | {derive_seed(8, i) for i in range(1000)}
+    assert len(seeds) == 2000 and all(0 <= s < 2**64 for s in seeds)
+
+
+# ------------------------------------------------------------------ greedy and the kept set
+
+def test_temperature_zero_is_argmax_first_of_equals(xp):
+    rng = rng_for(21)
+    logits = rng.normal(size=(64, 500)).astype(np.float32)
+    logits[::3, 400] = logits[::3, 7] = 50.0                  # two equal maxima: 7 wins
+    logits[5, :] = 1.0                                         # all equal: token 0
+    d = xp.asarray(logits)
+    got = host(sample_rows(d, 0.0, rng.uniform(0.1, 1, 64), rng.integers(0, 9, 64),
+                           rng.integers(0, 2**32, 64), rng.integers(0, 99, 64)))
+    assert got.dtype == np.int32
+    assert got.tolist() == np.argmax(logits, axis=1).tolist()
+    assert got.tolist() == host(argmax_rows(d)).tolist()
+    assert got[0] == 7 and got[5] == 0
+
+
+def test_top_k_one_is_argmax(xp):
+    rng = rng_for(22)
+    logits = rng.normal(size=(300, 200)).astype(np.float32)
+    got = host(sample_rows(xp.asarray(logits), rng.uniform(0.2, 3, 300), 1.0, 1, 5,
+                           np.arange(300)))
+    assert got.tolist() == np.argmax(logits, axis=1).tolist()
+
+
+def _p_away_from_prefixes(rng, logits, t, k, gap=1e-4):
+    """A top_p in (0.05, 0.99) at least ``gap`` away from every prefix share of the row's
+    top-k (so float32 rounding cannot move the cut)."""
+    shares = np.cumsum(np.sort(oracle_probs(logits, t, 1.0, k))[::-1])
+    while True:
+        p = rng.uniform(0.05, 0.99)
+        if np.min(np.abs(shares - p)) > gap:
+            return p
+
+
+def test_kept_set_is_the_smallest_prefix_with_the_mass(xp):
+    rng = rng_for(23)
+    rows, vocab = 120, 60
+    scale = rng.uniform(0.3, 4, (rows, 1))
+    logits = (rng.normal(size=(rows, vocab)) * scale).astype(np.float32)
+    t = rng.uniform(0.3, 2.0, rows)
+    k = rng.choice([0, 1, 3, 10, 59, 60, 100], rows)
+    p = np.array([1.0 if i % 7 == 0 else _p_away_from_prefixes(rng, logits[i], t[i], k[i])
+                  for i in range(rows)])
+    got = host(kept_tokens(xp.asarray(logits), t, p, k))
+    for i in range(rows):
+        want = oracle_probs(logits[i], t[i], p[i], k[i]) > 0
+        assert got[i].tolist() == want.tolist(), (i, t[i], p[i], k[i])
+
+
+def test_top_p_at_a_prefix_mass_boundary():
+    probs = np.array([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])   # ranks: 1, 3, 4, then 2 and 5 (equal)
+    logits = np.log(probs).astype(np.float32)[None, :]
+    for top_p, want in [(0.549, [1, 3]), (0.551, [1, 3, 4]), (0.749, [1, 3, 4]),
+                        (0.751, [1, 3, 4, 2]), (0.849, [1, 3, 4, 2]), (0.851, [1, 3, 4, 2, 5]),
+                        (1e-6, [1]), (1.0, [0, 1, 2, 3, 4, 5])]:
+        got = np.flatnonzero(kept_tokens(logits, 1.0, top_p, 0)[0])
+        assert sorted(got.tolist()) == sorted(want), top_p
+    # equal tokens at the top-k cut: the lower id stays
+    assert np.flatnonzero(kept_tokens(logits, 1.0, 1.0, 4)[0]).tolist() == [1, 2, 3, 4]
+
+
+def test_masked_tokens_are_never_drawn(xp):
+    rng = rng_for(24)
+    logits = rng.normal(size=(4000, 30)).astype(np.float32)
+    logits[:, [0, 5]] = 20.0
+    logits[:, [0, 5]] = -np.inf                                # as min_tokens masks end tokens
+    got = host(sample_rows(xp.asarray(logits), 1.0, 1.0, 0, 3, np.arange(4000)))
+    assert not np.isin(got, [0, 5]).any()
+    assert len(np.unique(got)) == 28
+
+
+# ------------------------------------------------------------------ distributions
+
+CONFIGS = [  # (temperature, top_p, top_k)
+    (1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.8, 10), (0.5, 1.0, 5), (2.0, 0.5, 0), (1.0, 0.95, 25)]
+
+
+@pytest.mark.parametrize("t, top_p, top_k", CONFIGS)
+def test_draws_follow_the_exact_distribution(xp, t, top_p, top_k):
+    seed = 31 + CONFIGS.index((t, top_p, top_k))
+    rng = rng_for(seed)
+    logits = (rng.normal(size=40) * 2).astype(np.float32)
+    q = oracle_probs(logits, t, top_p, top_k)
+    tokens = draw(xp, logits, 20_000, t, top_p, top_k, seed)
+    ok, stat, pvalue = fits(tokens, q)
+    print(f"kept {np.count_nonzero(q)} tokens, chi-square {stat:.1f}, p-value {pvalue:.3g}")
+    assert ok
+
+
+def test_the_check_rejects_a_top_p_cut_off_by_one(xp):
+    probs = np.array([0.3, 0.25, 0.2, 0.15, 0.1])
+    logits = np.log(probs).astype(np.float32)
+    tokens = draw(xp, logits, 20_000, 1.0, 0.7, 0, 41)
+    right = oracle_probs(logits, 1.0, 0.7)
+    assert np.count_nonzero(right) == 3                       # 0.55 < 0.7 <= 0.75
+    assert fits(tokens, right)[0]
+    for wrong in (2, 4):                                      # one rank too few, one too many
+        assert not fits(tokens, oracle_probs(logits, 1.0, 0.7, cut=wrong))[0]
+    # a subtler wrong cut: the right set, but a token's mass moved by 10% to its neighbour
+    bent = right.copy()
+    bent[2] *= 0.9
+    bent[1] += right[2] * 0.1
+    assert not fits(tokens, bent)[0]
+
+
+def test_a_large_vocabulary_follows_the_distribution(xp):
+    rng = rng_for(42)
+    logits = (rng.normal(size=4096) * 3).astype(np.float32)
+    q = oracle_probs(logits, 0.8, 0.9, 0)
+    tokens = draw(xp, logits, 20_000, 0.8, 0.9, 0, 42)
+    ok, stat, pvalue = fits(tokens, q)
+    print(f"kept {np.count_nonzero(q)} of 4096, chi-square {stat:.1f}, p-value {pvalue:.3g}")
+    assert ok
+
+
+def exact_inverse_cdf(logits, t, top_p, top_k, u):
+    """The token sample_rows must choose for uniform ``u``, one row, the sums in long double
+    (x87's 80 bits on x86) from the float32 probabilities: the rule, without rounding."""
+    z = logits / np.float32(t)
+    rank = np.lexsort((np.arange(len(z)), -z))               # most likely first, ties by id
+    p = np.exp(z[rank] - z[rank[0]]).astype(np.longdouble)
+    k = len(z) if top_k == 0 else min(top_k, len(z))
+    p[k:] = 0
+    before = np.cumsum(p) - p
+    kept = np.arange(len(z)) < k
+    if top_p < 1:
+        kept &= before < np.longdouble(np.float32(top_p)) * p.sum()
+    cum = np.cumsum(np.where(kept, p, 0))
+    j = min(int(np.count_nonzero(cum <= np.longdouble(u) * cum[-1])), int(kept.sum()) - 1)
+    return int(rank[j])
+
+
+def test_a_large_vocabulary_chooses_the_exact_inverse_cdf(xp):
+    rng = rng_for(43)
+    rows, vocab = 60, 49_152
+    logits = (rng.normal(size=(rows, vocab)) * 2).astype(np.float32)
+    t, p = rng.uniform(0.5, 1.5, rows), rng.choice([0.5, 0.9, 1.0], rows)
+    k = rng.choice([0, 0, 40], rows)
+    seeds, counters = rng.integers(0, 2**62, rows), np.arange(rows)
+    got = host(sample_rows(xp.asarray(logits), t, p, k, seeds, counters))
+    u = uniforms(seeds, counters)
+    want = [exact_inverse_cdf(logits[i], t[i], p[i], k[i], u[i]) for i in range(rows)]
+    assert got.tolist() == want
+
+
+# ------------------------------------------------------------------ determinism, independence
+
+def test_same_seed_and_counter_same_token(xp):
+    rng = rng_for(51)
+    logits = xp.asarray(rng.normal(size=(50, 100)).astype(np.float32))
+    seeds, counters = rng.integers(0, 2**40, 50), rng.integers(0, 10**9, 50)
+    a = host(sample_rows(logits, 1.0, 0.95, 0, seeds, counters))
+    b = host(sample_rows(logits, 1.0, 0.95, 0, seeds, counters))
+    assert a.tolist() == b.tolist()
+    c = host(sample_rows(logits, 1.0, 0.95, 0, seeds + 1, counters))
+    assert (a != c).sum() > 25                                # another seed: another draw
+
+
+def test_successive_counters_draw_independently(xp):
+    # a two-token vocabulary at probability 1/2: pairs of successive draws are 4 equal cells
+    logits = np.zeros(2, np.float32)
+    tokens = draw(xp, logits, 40_001, 1.0, 1.0, 0, 52)
+    ok, stat, pvalue = fits(tokens[:-1] * 2 + tokens[1:], np.full(4, 0.25))
+    print("pairs chi-square", stat, "p-value", pvalue)
+    assert ok
+
+
+def test_a_rows_token_depends_on_its_own_row_alone(xp):
+    rng = rng_for(53)
+    rows, vocab = 64, 300
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    t, p, k = rng.uniform(0, 2, rows), rng.uniform(0.2, 1, rows), rng.integers(0, 50, rows)
+    t[::4] = 0
+    seeds, counters = rng.integers(0, 2**62, rows), rng.integers(0, 1000, rows)
+    base = host(sample_rows(xp.asarray(logits), t, p, k, seeds, counters))
+    other = rng.permutation(rows)[:rows // 2]                 # change half the rows entirely
+    logits2, t2, p2, k2 = logits.copy(), t.copy(), p.copy(), k.copy()
+    logits2[other] = rng.normal(size=(len(other), vocab)) * 5
+    t2[other], p2[other], k2[other] = rng.uniform(0, 2, len(other)), 0.3, 2
+    again = host(sample_rows(xp.asarray(logits2), t2, p2, k2, seeds, counters))
+    same = np.setdiff1d(np.arange(rows), other)
+    assert again[same].tolist() == base[same].tolist()
+    # and a row alone draws what it drew in the batch
+    for i in same[:8]:
+        alone = host(sample_rows(xp.asarray(logits[i:i + 1]), t[i], p[i], k[i], seeds[i],
+                                 counters[i]))
+        assert alone[0] == base[i]
+
+
+# ------------------------------------------------------------------ the engine's host sampler
+
+def test_same_uniforms_same_tokens_as_the_host_sampler():
+    rng = rng_for(61)
+    rows, vocab = 400, 1000
+    logits = (rng.normal(size=(rows, vocab)) * 2).astype(np.float32)
+    seeds, counters = rng.integers(0, 2**62, rows), np.arange(rows)
+    u = uniforms(seeds, counters)
+    for t, top_p in [(0.7, 0.9), (1.0, 1.0), (1.5, 0.5)]:
+        mine = sample_rows(logits, t, top_p, 0, seeds, counters)
+        theirs = host_sample(logits, t, top_p, u)
+        assert mine.tolist() == theirs.tolist(), (t, top_p)
+
+
+@pytest.mark.parametrize("t, top_p", [(0.7, 0.9), (1.0, 0.6), (1.2, 1.0)])
+def test_histograms_agree_with_the_host_sampler(xp, t, top_p):
+    seed = 62
+    rng = rng_for(seed)
+    n = 20_000
+    logits = rng.normal(size=50).astype(np.float32)
+    theirs = host_sample(np.tile(logits, (n, 1)), t, top_p,
+                         np.random.default_rng(seed).random(n)).astype(np.int64)
+    mine = draw(xp, logits, n, t, top_p, 0, seed)
+    q = oracle_probs(logits, t, top_p)
+    assert fits(theirs, q)[0] and fits(mine, q)[0]
+    # two-sample chi-square between the histograms, over the tokens either drew >= 5 times
+    a, b = np.bincount(theirs, minlength=50), np.bincount(mine, minlength=50)
+    big = (a + b) >= 10
+    stat = float(np.sum((a[big] - b[big]) ** 2 / (a[big] + b[big])))
+    assert big.sum() >= 5                                     # enough tokens to compare
+    pvalue = chi2_sf(stat, int(big.sum()) - 1)
+    print(f"two-sample chi-square {stat:.1f}, p-value {pvalue:.3g}")
+    assert pvalue >= 1e-6
+    assert set(np.flatnonzero(a)) <= set(np.flatnonzero(q)) >= set(np.flatnonzero(b))
+
+
+# ------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(logits=np.zeros((2, 5), np.float16)), "float32"),
+    (dict(logits=np.zeros(5, np.float32)), r"\[rows, vocab\]"),
+    (dict(logits=np.zeros((0, 5), np.float32)), "rows and a vocabulary"),
+    (dict(temperature=-0.1), "temperature must be numbers >= 0"),
+    (dict(temperature=[1.0, 1.0, 1.0]), "one per row"),
+    (dict(top_p=0.0), r"top_p must be numbers in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be numbers in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be integers >= 0"),
+    (dict(top_k=2.5), "top_k must be integers >= 0"),
+    (dict(seeds=-3), "seeds must be integers"),
+    (dict(seeds=2**64), "seeds must be integers"),
+    (dict(counters=[1, -1]), "counters must be integers >= 0"),
+])
+def test_bad_input_is_refused(kw, match):
+    args = dict(logits=np.zeros((2, 5), np.float32), temperature=1.0, top_p=1.0, top_k=0,
+                seeds=1, counters=0)
+    args.update(kw)
+    with pytest.raises(ConfigError, match=match):
+        sample_rows(**args)
+
+
+def test_largest_seed_is_accepted():
+    assert sample_rows(np.zeros((2, 5), np.float32), 1.0, 1.0, 0, 2**64 - 1, 0).shape == (2,)
+
+
+# ------------------------------------------------------------------ GPU against NumPy
+
+@pytest.mark.skipif(not backend.on_gpu, reason=f"needs a GPU: {backend.reason}")
+def test_gpu_draws_the_numpy_tokens():
+    cp = backend.xp
+    rng = rng_for(71)
+    rows, vocab = 512, 49_152
+    logits = (rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+    t, p, k = rng.uniform(0, 1.5, rows), rng.uniform(0.5, 1, rows), rng.choice([0, 50], rows)
+    seeds, counters = rng.integers(0, 2**62, rows), rng.integers(0, 10**6, rows)
+    assert host(uniforms(cp.asarray(seeds), cp.asarray(counters), cp)).tolist() == \
+        uniforms(seeds, counters).tolist()                   # bit for bit
+    on_cpu = sample_rows(logits, t, p, k, seeds, counters)
+    on_gpu = host(sample_rows(cp.asarray(logits), cp.asarray(t), cp.asarray(p), cp.asarray(k),
+                              cp.asarray(seeds), cp.asarray(counters)))
+    differ = int((on_cpu != on_gpu).sum())
+    print(f"{differ} of {rows} rows differ (true near-ties only, with float64 sums)")
+    assert differ <= 2
