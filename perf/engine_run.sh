@@ -14,14 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-artifacts/engine}; date=${DATE:-$(date +%F)}
 mkdir -p "$out"
-model=/tmp/model.gguf
-if [ ! -e "$model" ]; then cat /tmp/model.part00 .bigfile/part01 > "$model"; fi
-echo "$(cat .bigfile/sha256)  $model" | sha256sum -c - || exit 1
-if [ ! -e /tmp/site/gguf ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    "${WHEELS:-.whls}"/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PAGEDKV_GGUF=$model PYTHONUNBUFFERED=1
+source perf/device_env.sh || exit 1
 status=0
 step() {   # step NAME LIMIT COMMAND...: one step, its output in $out/NAME.log
   local name=$1 limit=$2; shift 2

@@ -7,18 +7,9 @@
 # Logs and JSON under $OUT. Usage: NAME=http-h200-DATE bash perf/http_run.sh [bench flags]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-artifacts/http}; name=${NAME:-http-h200}; wheels=${WHEELS:-.whls}
+out=${OUT:-artifacts/http}; name=${NAME:-http-h200}
 mkdir -p "$out"
-# The model file is larger than one call carries: an earlier call copies .bigfile/part00
-# to /tmp/model.part00 (the machine keeps /tmp while it stays warm), this one brings part01.
-model=/tmp/model.gguf
-if [ ! -e "$model" ]; then cat /tmp/model.part00 .bigfile/part01 > "$model"; fi
-echo "$(cat .bigfile/sha256)  $model" | sha256sum -c - || exit 1
-if [ ! -e /tmp/site/starlette ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    "$wheels"/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PAGEDKV_GGUF=$model PYTHONUNBUFFERED=1
+source perf/device_env.sh || exit 1   # the model file and the wheels
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
 for budget in ${BUDGETS:-2048}; do      # one run a token budget (server and engine alike)

@@ -9,14 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-artifacts/serve}; name=${NAME:-serve-h200}
 mkdir -p "$out"
-model=/tmp/model.gguf
-if [ ! -e "$model" ]; then cat /tmp/model.part00 .bigfile/part01 > "$model"; fi
-echo "$(cat .bigfile/sha256)  $model" | sha256sum -c - || exit 1
-if [ ! -e /tmp/site/gguf ]; then       # the GGUF reader (WHEELS, default .whls)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    "${WHEELS:-.whls}"/gguf-*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PAGEDKV_GGUF=$model PYTHONUNBUFFERED=1
+source perf/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
 run() {   # run NAME ARGS...: one benchmark, its JSON and log
