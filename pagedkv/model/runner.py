@@ -34,7 +34,8 @@ from ..errors import ConfigError
 from ..kernels import decode_plan, paged_decode_attention
 from ..kernels.prefill import paged_prefill_attention
 from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mul
-from ..kernels.gemm import gemm
+from ..kernels.gemm import GEMV_AUTO_ROWS, GEMV_MAX_ROWS, gemm
+from ..kernels.norm_gemv import norm_gemv
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward, prefill_attention
 
 __all__ = ["ModelRunner", "FastRunner", "buckets", "graph_node_count",
@@ -107,13 +108,16 @@ class FastRunner(ModelRunner):
     (default: the model's context). ``graphs`` (default: on a GPU) replays captured graphs;
     ``graphs=False`` runs the same kernels one by one (the eager path, for debugging);
     ``gemm_method`` picks cuBLAS or the few-row kernel (:func:`~pagedkv.kernels.gemm.gemm`);
+    a pass of at most ``fold_rows`` rows (default: where ``"auto"`` takes the few-row kernel,
+    one row) folds each RMSNorm, and SwiGLU, into the projection after it (``norm_gemv``);
     ``single_pass`` offers the engine :meth:`mixed`: a step's prefill and decode rows in one
     pass.
     """
 
     def __init__(self, model: Llama, kv: PagedKV, *, max_batch: int = 256,
                  max_context: int | None = None, graphs: bool | None = None,
-                 gemm_method: str = "auto", single_pass: bool = False):
+                 gemm_method: str = "auto", single_pass: bool = False,
+                 fold_rows: int | None = None):
         super().__init__(model, kv)
         self.single_pass = bool(single_pass)
         c, xp = model.config, model.xp
@@ -123,6 +127,11 @@ class FastRunner(ModelRunner):
         self.graphs = self.on_gpu if graphs is None else bool(graphs)
         self.max_batch = positive_int(max_batch, "max_batch")
         self.gemm_method = gemm_method             # see pagedkv.kernels.gemm.gemm
+        if fold_rows is None:
+            fold_rows = GEMV_AUTO_ROWS if gemm_method == "auto" else 0
+        if isinstance(fold_rows, bool) or not 0 <= fold_rows <= GEMV_MAX_ROWS:
+            raise ConfigError(f"fold_rows must be 0 to {GEMV_MAX_ROWS}, got {fold_rows!r}")
+        self.fold_rows = fold_rows
         if kv.block_size not in KERNEL_BLOCK_SIZES:
             raise ConfigError(f"the fast runner decodes with block sizes "
                               f"{KERNEL_BLOCK_SIZES}, not {kv.block_size}")
@@ -203,8 +212,11 @@ class FastRunner(ModelRunner):
         """The decode step's arithmetic into bucket ``v``'s buffers: what a graph captures."""
         self._layers(v, self._attend)
         m, g = self.model, self.gemm_method
-        rms_norm(v.x, m.norm, m.config.norm_eps, out=v.h)
-        gemm(v.h, m.embedding, v.logits, transpose_b=True, method=g)                # the output head
+        if self._folds(v):                         # the final norm inside the head's launch
+            norm_gemv(v.x, m.norm, m.config.norm_eps, m.embedding, v.logits)
+        else:
+            rms_norm(v.x, m.norm, m.config.norm_eps, out=v.h)
+            gemm(v.h, m.embedding, v.logits, transpose_b=True, method=g)            # the output head
         argmax_rows(v.logits, out=v.greedy)
 
     def _layers(self, v: _Views, attend) -> None:
@@ -212,19 +224,31 @@ class FastRunner(ModelRunner):
         embeddings to the last layer's output; ``attend(v, layer)`` fills ``v.attn``."""
         m, kv, c = self.model, self.kv, self.model.config
         eps, b, g = c.norm_eps, v.x.shape[0], self.gemm_method
+        fold = self._folds(v)                      # each norm inside the projection after it
         embed(v.tokens, m.embedding, out=v.x)
         for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(m.layers,
                                                                        self.weights)):
-            rms_norm(v.x, layer.attn_norm, eps, out=v.h)
-            gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
+            if fold:
+                norm_gemv(v.x, layer.attn_norm, eps, wqkv, v.qkv)
+            else:
+                rms_norm(v.x, layer.attn_norm, eps, out=v.h)
+                gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
             rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q, kv.layers[i],
                           c.heads, c.kv_heads)
             attend(v, i)
             gemm(v.attn.reshape(b, -1), wo, v.x, accumulate=True, transpose_b=True, method=g)  # x += o
-            rms_norm(v.x, layer.mlp_norm, eps, out=v.h)
-            gemm(v.h, w_gate_up, v.gate_up, transpose_b=True, method=g)
-            silu_mul(v.gate_up, out=v.act)
+            if fold:                               # norm, gate|up and SwiGLU: one launch
+                norm_gemv(v.x, layer.mlp_norm, eps, w_gate_up, v.act, silu=True)
+            else:
+                rms_norm(v.x, layer.mlp_norm, eps, out=v.h)
+                gemm(v.h, w_gate_up, v.gate_up, transpose_b=True, method=g)
+                silu_mul(v.gate_up, out=v.act)
             gemm(v.act, w_down, v.x, accumulate=True, transpose_b=True, method=g)   # x += mlp(x)
+
+    def _folds(self, v: _Views) -> bool:
+        """Does this pass fold each RMSNorm (and SwiGLU) into the projection after it
+        (:func:`~pagedkv.kernels.norm_gemv.norm_gemv`)? For at most ``fold_rows`` rows."""
+        return v.x.shape[0] <= self.fold_rows
 
     def _attend(self, v: _Views, i: int) -> None:
         cache = self.kv.layers[i]
