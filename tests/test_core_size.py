@@ -16,10 +16,10 @@ PROMISES = [("pagedkv/allocator.py", "book/03_allocator.ipynb"),   # module, its
 
 
 def promised_lines(chapter: str) -> int:
-    """The N of "about N lines" in the chapter's first cell (it must say it exactly once)."""
+    """The N of "about N lines" in the chapter's first cell, which says it exactly once."""
     intro = "".join(json.loads((ROOT / chapter).read_text())["cells"][0]["source"])
     found = re.findall(r"about (\d+) lines", " ".join(intro.split()))
-    assert len(found) == 1, f"{chapter} should state its module's size once: 'about N lines'"
+    assert len(found) == 1, f"{chapter} should say once: 'about N lines'"
     return int(found[0])
 
 
@@ -29,8 +29,8 @@ def test_module_is_no_longer_than_its_chapter_promises(module, chapter):
     lines = len((ROOT / module).read_text().splitlines())
     print(f"{module}: {lines} lines, {chapter} promises about {promise}")
     assert lines <= promise, (f"{module} is {lines} lines, but {chapter} promises about "
-                              f"{promise} (and README.md repeats it): tighten the module, or "
-                              f"change the promise in both places")
+                              f"{promise} (and README.md repeats it): tighten the module, "
+                              f"or change the promise in both places")
 
 
 def test_readme_promises_what_the_chapters_do():
@@ -38,5 +38,5 @@ def test_readme_promises_what_the_chapters_do():
     found = re.search(r"chapters show whole \((\d+) and (\d+) lines\)", readme)
     assert found, "README.md no longer states the teaching core's size"
     chapters = [promised_lines(chapter) for _, chapter in PROMISES]
-    assert [int(n) for n in found.groups()] == chapters, (
-        f"README.md says {found.group(1)} and {found.group(2)} lines, the chapters {chapters}")
+    readme_says = [int(n) for n in found.groups()]
+    assert readme_says == chapters, f"README.md says {readme_says}, the chapters {chapters}"
