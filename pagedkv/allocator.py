@@ -1,19 +1,15 @@
 """The physical block allocator: one pool of memory, cut into uniform blocks.
 
-The pool is claimed once, at construction, as ``num_blocks * block_bytes`` bytes on the device
-(host memory when no GPU is usable). After that, allocating or freeing a block never touches the
-device: it is bookkeeping on the host, on two Python lists.
-
-State, and the invariants that tie it together (checked by :meth:`BlockAllocator.audit`)::
+The pool is claimed once, as ``num_blocks * block_bytes`` bytes on the device (host memory
+when no GPU is usable); after that, allocating or freeing a block is bookkeeping on two
+Python lists on the host. State, and the invariants :meth:`BlockAllocator.audit` checks::
 
     _free       the ids of the free blocks, a stack: allocate pops the end, free appends
     _refcount   _refcount[b] is the number of owners of block b (0: free)
-    num_shared  how many blocks have more than one owner (counted as owners come and
-                go, so that a metric read every step costs O(1), not a pass over the pool)
+    num_shared  how many blocks have more than one owner (kept up to date: O(1) to read)
 
-* a block is on the free stack if and only if its refcount is 0, and at most once;
-* so ``num_free + num_used == num_blocks`` always;
-* ``num_shared`` is the number of blocks whose refcount is above 1.
+* a block is on the free stack if and only if its refcount is 0, and at most once,
+  so ``num_free + num_used == num_blocks`` always.
 """
 from __future__ import annotations
 
@@ -71,13 +67,9 @@ class BlockAllocator:
 
     def share(self, block: int) -> None:
         """Add an owner to an allocated block (copy-on-write sharing, chapter 7)."""
-        b = self._check_id(block)
-        if self._refcount[b] == 0:
-            raise InvalidBlock(f"cannot share block {b}: it is free")
-        self.num_shared += self._refcount[b] == 1
-        self._refcount[b] += 1
+        self.share_n([block])
 
-    # ------------------------------------------------------------------ many blocks, all or nothing
+    # ---------------------------------------------------------- many blocks, all or nothing
     def allocate_n(self, n: int) -> list[int]:
         """``n`` blocks, in the order ``n`` calls of :meth:`allocate` would give them. If fewer
         than ``n`` are free, raises :class:`OutOfBlocks` and takes none."""
@@ -87,9 +79,8 @@ class BlockAllocator:
         return [self.allocate() for _ in range(n)]
 
     def free_n(self, blocks) -> None:
-        """Drop one owner of each block in ``blocks``, in order (an id may appear once per
-        owner dropped). Every id is checked first: a bad one, or more drops than owners,
-        raises and frees nothing."""
+        """Drop one owner of each block in ``blocks``, in order (an id may repeat). All or
+        nothing: a bad id, or more drops than owners, raises and frees nothing."""
         self._check_open()
         ids = [self._check_id(b) for b in blocks]
         for b, drops in Counter(ids).items():
@@ -167,9 +158,7 @@ class BlockAllocator:
                              f"{sum(r > 1 for r in refs)} blocks have several owners")
 
     # ------------------------------------------------------------------ the memory
-    @property
-    def pool_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
+    pool_bytes = property(lambda self: self.num_blocks * self.block_bytes)
 
     def block_view(self, block: int):
         """The bytes of one block, a view into the pool (uint8, ``block_bytes`` long)."""
@@ -177,9 +166,8 @@ class BlockAllocator:
         return self.pool[b * self.block_bytes:(b + 1) * self.block_bytes]
 
     def view(self, dtype, block_shape):
-        """The whole pool seen as ``[num_blocks, *block_shape]`` of ``dtype``, no copy.
-        ``block_shape`` must fill a block exactly, e.g. ``(2, block_size, kv_heads, head_dim)``
-        for one layer's K and V."""
+        """The pool as ``[num_blocks, *block_shape]`` of ``dtype``, no copy. ``block_shape``
+        fills a block exactly, e.g. ``(2, block_size, kv_heads, head_dim)`` for K and V."""
         self._check_open()
         dtype, block_shape = np.dtype(dtype), tuple(int(s) for s in block_shape)
         nbytes = int(np.prod(block_shape, dtype=np.int64)) * dtype.itemsize

@@ -1,8 +1,9 @@
 """The KV-cache manager: sequences that grow token by token, fork, and free their blocks.
 
-The manager plans; kernels move bytes. Every call that adds tokens returns what the device must
-do, the slots the new tokens' K/V go to and the (src, dst) block copies that copy-on-write
-needs, and never touches KV data itself.
+The manager plans; kernels move bytes. A call that adds tokens returns the slots the new
+tokens' K/V go to and the (src, dst) block copies that copy-on-write needs (only a partly
+filled last block is written; a writer that shares it copies it first), and changes nothing
+if the blocks it needs are not all free: it raises :class:`~pagedkv.errors.OutOfBlocks`.
 
 State: one :class:`~pagedkv.page_table.PageTable` per live sequence (chapter 4), in a dict from
 sequence id to table, over one :class:`~pagedkv.allocator.BlockAllocator`. Invariants, checked
@@ -10,13 +11,10 @@ by :meth:`KVCacheManager.audit` (with the allocator's own):
 
 * a sequence of ``n`` tokens maps exactly ``ceil(n / block_size)`` blocks, each at most once;
 * a block's refcount equals the number of page tables that map it.
-
-Only a sequence's partly filled last block is ever written. If another sequence shares it
-(refcount > 1), the writer first takes a fresh block and copies the shared one: copy-on-write.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -66,13 +64,11 @@ class CacheStats:
     largest_free_run: int           # longest run of adjacent free block ids
     external_fragmentation: float   # 1 - largest_free_run / free blocks (0 when none is free)
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
+    as_dict = asdict                # {field name: value}
 
 
 def need_teaching_allocator(manager, allocator) -> None:
-    """A teaching manager over anything but a teaching allocator is refused (and a fast
-    manager over a teaching one, the same way)."""
+    """Refuse a teaching manager over anything but a teaching allocator."""
     if not isinstance(allocator, BlockAllocator):
         kind = type(allocator)
         raise ConfigError(f"the teaching {type(manager).__name__} needs a "
@@ -85,11 +81,8 @@ class KVCacheManager:
     """Page tables for many sequences over one :class:`BlockAllocator`, which it must own alone
     (its audit checks every refcount). ``block_size`` is tokens per block."""
 
-    allocator_type = BlockAllocator
-
     def __init__(self, allocator: BlockAllocator, block_size: int):
-        if not isinstance(allocator, self.allocator_type):
-            need_teaching_allocator(self, allocator)
+        need_teaching_allocator(self, allocator)
         self.block_size = positive_int(block_size, "block_size")
         if allocator.block_bytes % self.block_size:
             raise ConfigError(f"a block of {allocator.block_bytes} bytes does not hold a whole "
@@ -157,14 +150,11 @@ class KVCacheManager:
         return (table.num_tokens % self.block_size != 0
                 and self.allocator.refcount(table.blocks[-1]) > 1)
 
-    def _needed(self, table: PageTable, n: int) -> int:
-        """Free blocks that appending ``n`` tokens to ``table`` takes: new ones, plus a copy."""
-        grow = cdiv(table.num_tokens + n, self.block_size) - table.num_blocks
-        return grow + self._must_copy(table)
-
     def blocks_needed(self, seq_id, n: int = 1) -> int:
-        """Free blocks an append of ``n`` tokens to ``seq_id`` would take (copies included)."""
-        return self._needed(self._table(seq_id), positive_int(n, "the number of tokens"))
+        """Free blocks ``append(seq_id, n)`` takes: new ones, and a copy if one is due."""
+        table = self._table(seq_id)
+        tokens = table.num_tokens + positive_int(n, "the number of tokens")
+        return cdiv(tokens, self.block_size) - table.num_blocks + self._must_copy(table)
 
     def can_append(self, seq_id, n: int = 1) -> bool:
         return self.blocks_needed(seq_id, n) <= self.allocator.num_free
@@ -186,8 +176,7 @@ class KVCacheManager:
         return Plan(np.array(slots, dtype=np.int32), copies_array(copies))
 
     def add(self, seq_id, num_tokens: int = 0) -> Plan:
-        """Register a new sequence, with ``num_tokens`` prompt tokens (prefill) if given.
-        All or nothing: raises :class:`OutOfBlocks` and registers nothing if they do not fit."""
+        """Register a new sequence, with ``num_tokens`` prompt tokens (prefill) if given."""
         self._check_new(seq_id, "sequence")
         num_tokens = count(num_tokens, "the number of tokens")
         need = cdiv(num_tokens, self.block_size)
@@ -197,19 +186,14 @@ class KVCacheManager:
         return self._grow(table, num_tokens)
 
     def append(self, seq_id, n: int = 1) -> Plan:
-        """Append ``n`` tokens (1 for a decode step, many for a chunk of prompt). All or
-        nothing: raises :class:`OutOfBlocks` and changes nothing if the blocks (new ones plus a
-        copy-on-write copy) are not all free."""
-        table = self._table(seq_id)
-        need = self._needed(table, positive_int(n, "the number of tokens"))
+        """Append ``n`` tokens: 1 for a decode step, more for a chunk of prompt."""
+        need = self.blocks_needed(seq_id, n)
         if need > self.allocator.num_free:
             raise OutOfBlocks(need, self.allocator.num_free, f"append {n} to {seq_id!r}")
-        return self._grow(table, n)
+        return self._grow(self._table(seq_id), n)
 
     def step(self, seq_ids=None) -> StepPlan:
-        """One decode step: every sequence in ``seq_ids`` (default: all live ones) gains a token.
-        All or nothing: raises :class:`OutOfBlocks` and changes nothing if the new blocks and
-        copies the whole batch needs are not all free."""
+        """A decode step: each sequence in ``seq_ids`` (default: all) gains a token."""
         ids = self.seq_ids if seq_ids is None else list(seq_ids)
         tables = [self._table(s) for s in ids]
         if len({id(t) for t in tables}) != len(tables):
