@@ -117,10 +117,13 @@ class Schedule:
       placement of it (the engine's: ``(request, part)`` pairs, one per sequence);
     * ``decodes``: the requests that decode, in admission order; ``plan`` and ``seqs``:
       the memory's plan for their sequences' next token (None and [] when none);
-    * ``swap_ins`` and ``swap_outs``: the memory's block copies, ``[n, 2]`` arrays of
-      (from, to), host to device and device to host;
+    * ``swap_ins`` and ``swap_outs``: the memory's block copies, each a list of ``[n, 2]``
+      arrays of (from, to) pairs, host to device and device to host;
     * ``preempted``: requests preempted in this step, in order; ``finished``: the
       requests the step completed (the caller's to fill, after it ran).
+
+    The engine takes ``parts`` and the swap copies out as it executes them (a part, or a
+    copy, runs once); the rest stays as the record of the step.
     """
     chunks: list = field(default_factory=list)
     parts: list = field(default_factory=list)

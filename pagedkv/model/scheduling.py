@@ -177,9 +177,9 @@ class EngineMemory(Memory):
     def prefill(self, req, n: int) -> bool:
         """Place the request's next ``n`` prefill tokens, its sequences in order; False,
         placing nothing, if their blocks are not free. The parts wait in the schedule's
-        ``parts`` for the step's prefill pass. Sequences new to the pool (a request back from a
-        recompute has several) are added together, every cached block they find taken
-        before any fresh one: a fresh block for one must not evict a block another
+        ``parts`` for the step's prefill pass. Sequences new to the pool (a request back
+        from a recompute has several) are added together, every cached block they find
+        taken before any fresh one: a fresh block for one must not evict a block another
         finds, or that one would have more to compute than was counted."""
         m, grows, adds, need = self.manager, [], [], 0
         for seq in req.live:
