@@ -225,6 +225,7 @@ class Engine(Choosing):
         schedule.swap_ins, schedule.swap_outs = [], []
         if len(ins) or len(outs):
             self.runner.swap(self.swapper.host, ins, outs)
+
     def _packs(self, parts) -> list:
         """Whole parts, in order, packed into passes of about ``prefill_chunk`` tokens."""
         packs, size = [], 0
