@@ -14,11 +14,12 @@ part that touches the model's arrays and the paged K/V. Two runners, one interfa
   greedy choice made on the device, and — on a GPU — each batch size (padded up to a *bucket*:
   1, 2, 4, 8, 16, 24, ...) captured once as a CUDA graph and replayed. A prefill runs the same
   layers eagerly, every new token a row, with the paged prefill kernel for the attention
-  (:meth:`FastRunner.prefill`, in :mod:`pagedkv.model.prefill_runner`); copy-on-write copies stay on the plain path. On NumPy it runs
+  (:meth:`FastRunner.prefill`); copy-on-write copies stay on the plain path. On NumPy it runs
   the kernels' references, with the same buffers and order, so the CPU tests exercise the
   same code. With ``single_pass``, a step that has both runs them in one pass
   (:meth:`FastRunner.mixed`): the prefill chunks and the decode rows as one flattened batch,
   a decode row being a chunk of one token (vLLM V1's shape), so the weights are read once.
+  The prefill side lives in :mod:`pagedkv.model.prefill_pass`.
 
 Both return, for a batch, float32 logits of each sequence's last token (on the device) and,
 where they have it, the greedy token of each row as host ints (``None`` otherwise).
@@ -36,7 +37,7 @@ from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mu
 from ..kernels.gemm import gemm
 from ..swap import copy_to_device, copy_to_host
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward
-from .prefill_runner import GRAPH_PREFILL_TOKENS, PrefillPasses
+from .prefill_pass import GRAPH_PREFILL_TOKENS, PrefillPasses
 
 __all__ = ["ModelRunner", "FastRunner", "make_runner", "buckets", "graph_node_count",
            "GRAPH_PREFILL_TOKENS"]
