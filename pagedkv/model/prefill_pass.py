@@ -1,5 +1,5 @@
-"""The prefill side of :class:`~pagedkv.model.runner.FastRunner`: prefills, and a step's
-prefill chunks and decode rows in one pass (``single_pass``).
+"""The fast runner's prefills, and a step's prefill chunks and decode rows in one pass
+(``single_pass``): the prefill side of :class:`~pagedkv.model.runner.FastRunner`.
 
 A prefill runs by the cheaper of two ways: one eager pass over every new token with the
 paged prefill kernel for the attention (:meth:`PrefillPasses._eager_pass`), or, when it is
