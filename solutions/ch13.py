@@ -307,8 +307,9 @@ class _HeldButCharged(PrefillFirst):
     """Decodes held back in a prefill step, but their tokens still taken off its budget."""
 
     def prefill(self):
-        self._chunks = Scheduler.prefill(self)
-        return self._chunks
+        schedule = Scheduler.prefill(self)
+        self._chunks = schedule.chunks
+        return schedule
 
 
 class _ChargedNothing(PrefillFirst):
