@@ -28,16 +28,22 @@ step's decode:
 
 Tokens found in the prefix cache are not computed, so they are not charged: the memory's
 ``to_prefill`` counts only what a request still has to compute.
+
+What a step decided is one :class:`Schedule`: the scheduler writes who runs (the chunks,
+the decoding requests, the preempted), and the memory, told of it by
+:meth:`Memory.begin`, writes where (its plans, its swap copies). A caller executes the
+schedule and applies the result; nothing of the step is left anywhere else.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .checks import positive_int
 from .errors import AuditError, ConfigError
 
-__all__ = ["Memory", "Scheduler", "Chunk", "newest"]
+__all__ = ["Memory", "Scheduler", "Schedule", "Chunk", "newest"]
 
 
 class Memory:
@@ -59,7 +65,12 @@ class Memory:
       swapped in), False if it must be prefilled again (it waits to be admitted).
     * ``swap_in(req, promised)``: bring a swapped-out request back if it fits; True if
       it did.
+    * ``begin(schedule)``: a step starts; what the memory places until the next call is
+      that :class:`Schedule`'s (a memory that moves no bytes ignores it).
     """
+
+    def begin(self, schedule) -> None:
+        pass
 
     def width(self, req) -> int:
         return 1
@@ -98,6 +109,33 @@ class Chunk(NamedTuple):
     last: bool
 
 
+@dataclass(eq=False)
+class Schedule:
+    """One step, as decided: the scheduler's part (who runs) and the memory's (where).
+
+    * ``chunks``: the prefill work (:class:`Chunk`), in order; ``parts``: the memory's
+      placement of it (the engine's: ``(request, part)`` pairs, one per sequence);
+    * ``decodes``: the requests that decode, in admission order; ``plan`` and ``seqs``:
+      the memory's plan for their sequences' next token (None and [] when none);
+    * ``swap_ins`` and ``swap_outs``: the memory's block copies, each a list of ``[n, 2]``
+      arrays of (from, to) pairs, host to device and device to host;
+    * ``preempted``: requests preempted in this step, in order; ``finished``: the
+      requests the step completed (the caller's to fill, after it ran).
+
+    The engine takes ``parts`` and the swap copies out as it executes them (a part, or a
+    copy, runs once); the rest stays as the record of the step.
+    """
+    chunks: list = field(default_factory=list)
+    parts: list = field(default_factory=list)
+    decodes: list = field(default_factory=list)
+    plan: object = None
+    seqs: list = field(default_factory=list)
+    swap_ins: list = field(default_factory=list)
+    swap_outs: list = field(default_factory=list)
+    preempted: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+
+
 def newest(running: list):
     """The request preemption takes first: the one admitted last."""
     return running[-1]
@@ -125,7 +163,7 @@ class Scheduler:
         self.swapped: deque = deque()
         self.prefilling: dict = {}  # running, prefill unfinished (a dict: ordered, O(1))
         self.refused = None         # the waiting head admission refused this step, or None
-        self.preempted: list = []   # requests preempted this step, in order
+        self.schedule = Schedule()  # the step being scheduled (the last one)
 
     def __bool__(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -137,12 +175,13 @@ class Scheduler:
         return [r for r in self.running if r not in self.prefilling]
 
     # ------------------------------------------------------------------ phase 1
-    def prefill(self) -> list[Chunk]:
+    def prefill(self) -> Schedule:
         """Phase 1 of a step: swap in, then share the token budget out (decodes first,
-        then chunks to running and to waiting requests). Returns the step's prefill work,
-        its memory already placed."""
-        self.refused, self.preempted = None, []
+        then chunks to running and to waiting requests). Returns the step's
+        :class:`Schedule`, its prefill work in ``chunks``, its memory already placed."""
+        self.refused, self.schedule = None, Schedule()
         mem = self.memory
+        mem.begin(self.schedule)
         budget = float("inf") if self.token_budget is None else self.token_budget
         budget -= mem.sequences(self.decoding())
         budget = self._swap_in(budget)
@@ -158,7 +197,8 @@ class Scheduler:
                     del self.prefilling[req]
         if not self.swapped:                       # a swapped request comes back first
             self._admit(budget, chunks)
-        return chunks
+        self.schedule.chunks = chunks
+        return self.schedule
 
     def _chunk(self, req, left: int, budget) -> Chunk:
         """As much of ``req``'s prefill as the budget holds; it finishes only if its
@@ -229,10 +269,11 @@ class Scheduler:
     def decode(self) -> list:
         """Phase 2: one more token for every sequence of every running request that
         decodes, preempting while the memory runs out. Returns those requests (in
-        admission order), their memory grown."""
+        admission order, the schedule's ``decodes`` too), their memory grown."""
         while True:
             reqs = self.decoding()
             if not reqs or self.memory.grow(reqs):
+                self.schedule.decodes = reqs
                 return reqs
             if len(self.running) == 1:             # admission refuses what cannot fit
                 raise AuditError("a request alone cannot take its next step")
@@ -241,7 +282,7 @@ class Scheduler:
     def _preempt(self, req) -> None:
         self.running.remove(req)
         self.prefilling.pop(req, None)
-        self.preempted.append(req)
+        self.schedule.preempted.append(req)
         if self.memory.preempt(req):
             self.swapped.appendleft(req)
         else:

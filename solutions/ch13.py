@@ -86,10 +86,11 @@ class PrefillFirst(Scheduler):
     def prefill(self):
         self._sharing = True     # the decodes are not charged ...
         try:
-            self._chunks = super().prefill()
+            schedule = super().prefill()
         finally:
             self._sharing = False
-        return self._chunks
+        self._chunks = schedule.chunks
+        return schedule
 
     def decode(self) -> list:
         if not self._chunks:     # nothing to prefill: everyone decodes
@@ -98,6 +99,7 @@ class PrefillFirst(Scheduler):
         while first and not self.memory.grow(first):      # ... nor run
             self._preempt(self.victim(self.running))
             first = [r for r in first if r in self.running]
+        self.schedule.decodes = first
         return first
 
 
@@ -305,8 +307,9 @@ class _HeldButCharged(PrefillFirst):
     """Decodes held back in a prefill step, but their tokens still taken off its budget."""
 
     def prefill(self):
-        self._chunks = Scheduler.prefill(self)
-        return self._chunks
+        schedule = Scheduler.prefill(self)
+        self._chunks = schedule.chunks
+        return schedule
 
 
 class _ChargedNothing(PrefillFirst):

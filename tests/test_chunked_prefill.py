@@ -95,19 +95,17 @@ def test_answers_do_not_change_with_a_budget(tiny, expected, kind, config, budge
         assert max(watch.steps) <= budget, watch.steps
         if config == "roomy":
             assert watch.prefill_steps > 1      # the prompts could not all go in one step
-    PREEMPTED[config] = PREEMPTED.get(config, 0) + engine.counts.preemptions
 
 
-PREEMPTED: dict = {}
-
-
-def test_budgeted_runs_preempted_too():
-    """(Runs after the ones above.) In every tight configuration some budgeted run
-    preempted as well, so the answers above were checked across preemptions."""
-    tight = [c for c, v in CONFIGS.items() if v[3] == "tight"]
-    if not all(c in PREEMPTED for c in tight):
-        pytest.skip("run with the tests above")
-    assert all(PREEMPTED[c] > 0 for c in tight), PREEMPTED
+@pytest.mark.parametrize("budget", [40, 13])
+@pytest.mark.parametrize("config", [c for c, v in CONFIGS.items() if v[3] == "tight"])
+def test_budgeted_runs_preempt_too(tiny, expected, config, budget):
+    """In every tight configuration a budgeted run preempts as well (the sampled requests
+    do), so the answers are checked across preemptions under a budget."""
+    engine, watch, got = _run(tiny, PARAMS["sampled"], config, budget)
+    assert engine.counts.preemptions > 0
+    assert got == expected["sampled"]
+    assert max(watch.steps) <= budget, watch.steps
 
 
 def test_a_long_prompt_does_not_stop_the_decodes(tiny):

@@ -9,7 +9,7 @@ SmolLM2-135M-Instruct itself on chat prompts that share the chat template's syst
 import numpy as np
 import pytest
 
-import pagedkv.model.scheduling as scheduling
+import pagedkv.model.runner as runner_module
 from pagedkv.errors import ConfigError
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
@@ -122,7 +122,7 @@ def test_recompute_hits_the_cache_on_return(tiny):
 
 def test_one_copy_per_direction_per_step(tiny, monkeypatch):
     calls = []
-    for module, name in ((scheduling, "copy_to_host"), (scheduling, "copy_to_device")):
+    for module, name in ((runner_module, "copy_to_host"), (runner_module, "copy_to_device")):
         real = getattr(module, name)
 
         def counted(*args, _real=real, _name=name):
@@ -150,8 +150,8 @@ def test_admission_now_later_never(tiny):
     assert not engine.waiting                          # refused requests are never queued
     a = engine.submit(prompt, SamplingParams(max_new_tokens=40))     # 9 blocks at most
     b = engine.submit(prompt[:20], SamplingParams(max_new_tokens=40))
-    assert engine.admission(a) == ("now", "")          # 4 blocks for its prompt
-    assert engine.admission(b, promised=8) == ("later", "needs 3 free blocks (watermark "
+    assert engine.memory.admission(a) == ("now", "")          # 4 blocks for its prompt
+    assert engine.memory.admission(b, promised=8) == ("later", "needs 3 free blocks (watermark "
                                                         "included), 2 are free")
     engine.step()
     assert engine.running == [a, b]                    # 4 + 3 blocks: both fit now

@@ -84,13 +84,13 @@ def test_decodes_first_then_chunks_in_order():
     s = Scheduler(mem, max_seqs=8, token_budget=10)
     a, b, c = Req(0, 3, 5), Req(1, 12, 5), Req(2, 4, 5)
     s.waiting.extend([a, b, c])
-    chunks = s.prefill()
+    chunks = s.prefill().chunks
     # a: 3 tokens + its decode = 4; b: 6 of its 12 (it cannot finish); c: nothing left
     assert chunks == [Chunk(a, 3, True), Chunk(b, 6, False)]
     assert list(s.waiting) == [c] and s.refused is c
     assert s.decode() == [a]
     a.generated += 1
-    chunks = s.prefill()       # a decodes (1), b's remaining 6 + its decode (7), c: 2
+    chunks = s.prefill().chunks       # a decodes (1), b's remaining 6 + its decode (7), c: 2
     assert chunks == [Chunk(b, 6, True), Chunk(c, 2, False)]
 
 
@@ -99,7 +99,7 @@ def test_without_chunking_a_prefill_that_does_not_fit_waits():
     s = Scheduler(mem, token_budget=10, chunked_prefill=False)
     a, b = Req(0, 12, 5), Req(1, 2, 5)
     s.waiting.extend([a, b])
-    assert s.prefill() == [] and s.refused is a    # first come, first served: b waits too
+    assert s.prefill().chunks == [] and s.refused is a    # first come, first served: b waits too
     assert list(s.waiting) == [a, b]
 
 
@@ -108,16 +108,16 @@ def test_no_budget_prefills_everything_admitted():
     s = Scheduler(mem, token_budget=None)
     reqs = [Req(i, 100 + i, 3) for i in range(5)]
     s.waiting.extend(reqs)
-    assert [c.tokens for c in s.prefill()] == [r.prompt for r in reqs]
+    assert [c.tokens for c in s.prefill().chunks] == [r.prompt for r in reqs]
 
 
 def test_max_seqs_and_memory_stop_admission():
     s = Scheduler(Counted(100), max_seqs=2, token_budget=None)
     s.waiting.extend(Req(i, 4, 3) for i in range(3))
-    assert len(s.prefill()) == 2 and s.refused is None and len(s.waiting) == 1
+    assert len(s.prefill().chunks) == 2 and s.refused is None and len(s.waiting) == 1
     s = Scheduler(Counted(2), token_budget=None)   # blocks of 4: 8 tokens fit, not 12
     s.waiting.extend([Req(0, 8, 3), Req(1, 4, 3)])
-    assert len(s.prefill()) == 1 and s.refused.rid == 1
+    assert len(s.prefill().chunks) == 1 and s.refused.rid == 1
 
 
 def test_preemption_takes_the_newest_and_sends_it_to_the_head():
@@ -127,7 +127,7 @@ def test_preemption_takes_the_newest_and_sends_it_to_the_head():
     s.waiting.extend([a, b, c])
     s.prefill()
     assert s.running == [a, b] and list(s.waiting) == [c]
-    assert s.decode() == [a] and s.preempted == [b]   # a needs a second block: b gives it
+    assert s.decode() == [a] and s.schedule.preempted == [b]   # a needs a second block: b gives it
     assert list(s.waiting) == [b, c] and mem.held == {0: 2}
 
 
@@ -161,7 +161,7 @@ def test_random_requests_finish_with_their_tokens(budget, chunked):
     while pending or s:
         while pending and rng.random() < 0.5:
             s.waiting.append(pending.pop(0))
-        chunks = s.prefill()
+        chunks = s.prefill().chunks
         charged = {c.req.rid for c in chunks}
         assert len(charged) == len(chunks), "a request charged twice in one step"
         decoders = s.decode()

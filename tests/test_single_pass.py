@@ -162,10 +162,10 @@ class Watch:
         self.passes = self.both = 0
         run = engine.run_mixed
 
-        def run_mixed(rows, chunks):
-            run(rows, chunks)
+        def run_mixed(rows, schedule):
+            run(rows, schedule)
             self.passes += 1
-            decoded = {s.seq_id for s in engine.step_seqs}
+            decoded = {s.seq_id for s in schedule.seqs}
             self.both += sum(seq.seq_id in decoded for _, (seq, *_) in rows)
         engine.run_mixed = run_mixed
 

@@ -119,9 +119,7 @@ def _engine(model, requests, args) -> Engine:
 def _warm_up(engine: Engine, vocab: int) -> None:
     """Compile kernels and capture graphs before the clock starts: a few short requests
     served to the end, and every graph bucket captured."""
-    capture = getattr(engine.runner, "capture_all", None)
-    if capture is not None:
-        capture()
+    engine.runner.capture_all()
     engine.generate([[1 + i % (vocab - 1)] * 20 for i in range(4)],
                     SamplingParams(max_new_tokens=4))
     backend.synchronize()

@@ -1,17 +1,22 @@
 """Generation with continuous batching on the paged cache.
 
-Requests wait in a queue; each :meth:`Engine.step` does four things:
+Requests wait in a queue; each :meth:`Engine.step` is *schedule, execute, update*, and
+what passes between them is one :class:`~pagedkv.scheduler.Schedule`:
 
-1. **schedule the prefill** (:meth:`Scheduler.prefill <pagedkv.scheduler.Scheduler.prefill>`):
-   swap in requests that were preempted by swapping, when their blocks fit again; admit
-   waiting requests while the pool can hold them; and share the step's token budget, if it
-   has one, between the decodes and prefill chunks;
-2. **prefill**: one forward pass computes the chunks (with the prefix cache, only what it
-   does not hold); a prompt whose prefill is complete chooses its first token(s);
-3. **decode**: every live sequence of every prefilled request gains one token (one
-   ``manager.step()``, one forward pass through the page tables), the scheduler preempting
-   the most recently admitted request while the step cannot get its blocks;
-4. **finish**: sequences that produced the end token or reached their limit free their blocks.
+1. **schedule** (:meth:`Scheduler.prefill <pagedkv.scheduler.Scheduler.prefill>`): swap in
+   requests that were preempted by swapping, when their blocks fit again; admit waiting
+   requests while the pool can hold them; share the step's token budget, if it has one,
+   between the decodes and prefill chunks. The schedule holds the chunks, their plans
+   and the swap copies;
+2. **execute** (:meth:`Engine.execute`): the runner copies the swapped blocks, and forward
+   passes compute the chunks (with the prefix cache, only what it does not hold); a prompt
+   whose prefill is complete chooses its first token(s). Then the scheduler's second phase
+   (:meth:`Scheduler.decode <pagedkv.scheduler.Scheduler.decode>`) gives every live
+   sequence of every prefilled request one more token in the schedule (one
+   ``manager.step()``), preempting the most recently admitted request while the step
+   cannot get its blocks, and one forward pass through the page tables decodes them;
+3. **update** (:meth:`Engine.update`): requests whose sequences all ended (an end token, or
+   their limit) leave the scheduler; the pool is recorded.
 
 With a runner that offers the *single pass* (``single_pass=True``), a step that has both
 runs its last prefill pass and its decode in one forward pass (:meth:`Engine.run_mixed`):
@@ -19,7 +24,9 @@ the decode is planned first, so a prompt that pass completes chooses its first t
 and decodes from the next step on.
 
 Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s decision (the simulation's scheduler
-too); :mod:`pagedkv.model.scheduling` is the engine's side of it: where the blocks are.
+too); :class:`~pagedkv.model.scheduling.EngineMemory` answers its questions: where the
+blocks are. The runner (:mod:`pagedkv.model.runner`) is the only part that touches device
+arrays, the swap copies included.
 
 A request asks for greedy decoding, sampling (temperature, top-p, a seeded generator), ``n``
 parallel samples (the prompt is prefilled once and forked ``n`` ways) or beam search of width
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from functools import partial
 
 import numpy as np
 
@@ -39,16 +47,18 @@ from ..checks import cdiv, positive_int, token_ids
 from ..errors import AuditError, ConfigError
 from ..prefix_cache import PrefixCachingManager
 from .llama import Batch, Llama, PagedKV
-from ..scheduler import Scheduler
+from ..scheduler import Schedule, Scheduler
 from .requests import Request, SamplingParams, Sequence
-from .runner import FastRunner, ModelRunner
+from .runner import make_runner
 from .sampling import Choosing
-from .scheduling import Counts, Scheduling
+from .scheduling import EngineMemory
 
 __all__ = ["Engine"]
 
+NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 
-class Engine(Scheduling, Choosing):
+
+class Engine(Choosing):
     """Requests in, answers out, on one model and one paged cache.
 
     Admission takes a request when the blocks it needs to start are free; when a decode step
@@ -65,7 +75,8 @@ class Engine(Scheduling, Choosing):
     decode as one pass. ``bookkeeping`` is ``"teaching"`` (the core the chapters show) or
     ``"fast"`` (:mod:`pagedkv.fast`: the same plans, batched in NumPy).
 
-    Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s (``self.scheduler``). With
+    Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s (``self.scheduler``), over
+    the pool's :class:`~pagedkv.model.scheduling.EngineMemory` (``self.memory``). With
     ``token_budget`` a step computes at most that many tokens, decodes first; with
     ``chunked_prefill`` (the default) a prompt that does not fit what is left is prefilled a
     chunk a step. Without a budget every admitted prompt is prefilled in the step that admits
@@ -92,39 +103,25 @@ class Engine(Scheduling, Choosing):
         elif bookkeeping == "fast":
             from .. import fast
             from ..fast.prefix import PrefixCachingManager as cache_cls
-            classes = dict(allocator_cls=fast.BlockAllocator, manager_cls=fast.KVCacheManager)
+            classes = dict(allocator_cls=fast.BlockAllocator)
         else:
             raise ConfigError(f"bookkeeping must be 'teaching' or 'fast', got {bookkeeping!r}")
-        self.kv = PagedKV.for_model(model, num_blocks, block_size, **classes)
         # the pool's manager is one that knows token ids, whether or not it caches by them
-        self.manager = self.kv.manager = cache_cls(self.kv.allocator, block_size,
-                                                   caching=prefix_caching)
-        self.block_size = block_size
-        self.max_seqs = positive_int(max_seqs, "max_seqs")
+        kv = PagedKV.for_model(model, num_blocks, block_size, **classes,
+                               manager_cls=partial(cache_cls, caching=prefix_caching))
+        max_seqs = positive_int(max_seqs, "max_seqs")
+        self.memory = EngineMemory(kv.manager, max_seqs=max_seqs, watermark=watermark,
+                                   preemption=preemption, host_blocks=host_blocks)
         self.prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.audit = audit
         self.on_step = on_step           # called as on_step(engine) after every step
-        self._memory(watermark, preemption, host_blocks)
-        if runner == "plain":
-            if single_pass:
-                raise ConfigError("single_pass needs a fast runner ('fast' or 'fast-eager')")
-            self.runner = ModelRunner(model, self.kv)
-        elif runner in ("fast", "fast-eager"):
-            self.runner = FastRunner(model, self.kv, max_batch=self.max_seqs,
-                                     max_context=max_context, single_pass=single_pass,
-                                     graphs=False if runner == "fast-eager" else None)
-        else:
-            raise ConfigError(f"runner must be 'plain', 'fast' or 'fast-eager', "
-                              f"got {runner!r}")
-        self.scheduler = Scheduler(self, max_seqs=self.max_seqs, token_budget=token_budget,
+        self.runner = make_runner(runner, model, kv, max_batch=max_seqs,
+                                  max_context=max_context, single_pass=single_pass)
+        self.scheduler = Scheduler(self.memory, max_seqs=max_seqs, token_budget=token_budget,
                                    chunked_prefill=chunked_prefill)
-        self.parts: list = []            # the step's prefill: (request, part), in order
-        self.swap_pairs = ([], [])       # the step's swap-ins and swap-outs, to copy
-        self.decoded = 0                 # sequences the last step decoded
+        self.memory.running = self.scheduler.running
         self.finished: list = []
-        self.counts = Counts()
-        self._ids = itertools.count()
         self.history = deque(maxlen=self.history_steps)  # a dict per step: the pool
 
     # the scheduler's queues: waiting (first come, first served), running (in admission
@@ -132,6 +129,13 @@ class Engine(Scheduling, Choosing):
     waiting = property(lambda self: self.scheduler.waiting)
     running = property(lambda self: self.scheduler.running)
     swapped = property(lambda self: self.scheduler.swapped)
+    # the pool and its bookkeeping, the memory's; the cache's arrays, the runner's
+    manager = property(lambda self: self.memory.manager)
+    swapper = property(lambda self: self.memory.swapper)
+    counts = property(lambda self: self.memory.counts)
+    block_size = property(lambda self: self.memory.block_size)
+    max_seqs = property(lambda self: self.scheduler.max_seqs)
+    kv = property(lambda self: self.runner.kv)
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt, params: SamplingParams | None = None) -> Request:
@@ -149,36 +153,24 @@ class Engine(Scheduling, Choosing):
         if len(prompt) + params.max_new_tokens > context:
             raise ConfigError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones "
                               f"exceed the {whose} context of {context} tokens")
-        req = Request(next(self._ids), prompt, params, np.random.default_rng(params.seed))
+        req = Request(next(self.memory.ids), prompt, params,
+                      np.random.default_rng(params.seed))
         req.hashed = self.manager.prompt(prompt)     # hashed once, used until it is added
-        answer, why = self.admission(req)
+        answer, why = self.memory.admission(req)
         if answer == "never":
             raise ConfigError(f"refused: {why}")
         self.waiting.append(req)
         return req
 
     def _new_seq(self, tokens, prompt_len, score=0.0, parent=None) -> Sequence:
-        return Sequence(next(self._ids), list(tokens), prompt_len, score, parent)
+        return self.memory.new_seq(tokens, prompt_len, score, parent)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        """Schedule and run the prefill, then decode one token for every live sequence of
-        every prefilled request; free what finished. With the single pass, the last
-        prefill pack waits to run beside the decode rows."""
-        chunks = self.scheduler.prefill()
-        held = self.run_prefill(chunks, hold_last=self.runner.single_pass)
-        if held:
-            self.run_mixed(held, chunks)
-        else:
-            self.run_decode(self.scheduler.decode())
-        self.finish()
-        if self.audit:
-            self.manager.audit()
-            if self.swapper is not None:
-                self.swapper.audit()
-        self._record()
-        if self.on_step is not None:
-            self.on_step(self)
+        """Schedule, execute, update (the module's text)."""
+        schedule = self.scheduler.prefill()
+        self.execute(schedule)
+        self.update(schedule)
 
     def run(self) -> list:
         """Step until every request is done; returns them in the order they finished."""
@@ -192,25 +184,47 @@ class Engine(Scheduling, Choosing):
         self.run()
         return reqs
 
-    # ------------------------------------------------------------------ 2. prefill
-    def run_prefill(self, chunks, hold_last: bool = False):
-        """Compute the step's prefill parts (placed by the scheduler's calls, in
-        ``self.parts``), whole parts packed into passes of about ``prefill_chunk`` tokens;
-        a new prompt whose K/V are all in the cache chooses its first token(s). With
-        ``hold_last``, the last pack is returned instead, if the decode can run beside it
-        (:meth:`_decode_fits`); it stays in ``self.parts`` until it runs."""
-        if self.swapper is not None:
-            self.copy_swaps()
-        packs = self._packs([p for p in self.parts if len(p[1][1])])
-        self.parts = []
+    def execute(self, schedule: Schedule) -> None:
+        """Run the schedule's prefill, then decode one token for every live sequence of
+        every prefilled request (the scheduler's second phase plans it). With the single
+        pass, the last prefill pack waits to run beside the decode rows."""
+        held = self.run_prefill(schedule, hold_last=self.runner.single_pass)
+        if held:
+            self.run_mixed(held, schedule)
+        else:
+            self.scheduler.decode()
+            self.run_decode(schedule)
+
+    # ------------------------------------------------------------------ prefill
+    def run_prefill(self, schedule: Schedule, hold_last: bool = False):
+        """Compute the schedule's prefill parts (placed by the memory as the scheduler
+        asked), whole parts packed into passes of about ``prefill_chunk`` tokens; a new
+        prompt whose K/V are all in the cache chooses its first token(s). The parts leave
+        the schedule as they run. With ``hold_last``, the last pack is returned instead, if
+        the decode can run beside it (:meth:`_decode_fits`); it stays in the schedule's
+        ``parts`` until it runs."""
+        self._swap(schedule)
+        packs = self._packs([p for p in schedule.parts if len(p[1][1])])
+        schedule.parts = []
         for i, rows in enumerate(packs):
             if hold_last and i == len(packs) - 1 and self._decode_fits():
-                self.parts = rows
+                schedule.parts = rows
                 return rows
             logits, _ = self.runner.prefill(self._batch([part for _, part in rows]))
             self._prompts_done(rows, logits)
-        self._check_first_tokens(chunks)
+        self._check_first_tokens(schedule.chunks)
         return None
+
+    def _swap(self, schedule: Schedule) -> None:
+        """The schedule's swap copies so far, by the runner, in one call each way (they
+        leave the schedule: a later preemption in the step adds its own)."""
+        if self.swapper is None:
+            return
+        ins, outs = (np.concatenate(p) if p else NO_PAIRS
+                     for p in (schedule.swap_ins, schedule.swap_outs))
+        schedule.swap_ins, schedule.swap_outs = [], []
+        if len(ins) or len(outs):
+            self.runner.swap(self.swapper.host, ins, outs)
 
     def _packs(self, parts) -> list:
         """Whole parts, in order, packed into passes of about ``prefill_chunk`` tokens."""
@@ -262,18 +276,18 @@ class Engine(Scheduling, Choosing):
             block_tables=block_tables,
             copies=np.concatenate(copies).astype(np.int32).reshape(-1, 2))
 
-    # ------------------------------------------------------------------ 2. decode
-    def run_decode(self, reqs) -> None:
-        """One token for every live sequence of ``reqs``: their ``manager.step()`` plan
-        (made by the scheduler's call to :meth:`grow`), one forward pass."""
-        if self.swapper is not None:
-            self.copy_swaps()
-        reqs = self._decoding(reqs)
+    # ------------------------------------------------------------------ decode
+    def run_decode(self, schedule: Schedule) -> None:
+        """One token for every live sequence of the schedule's ``decodes``: their
+        ``manager.step()`` plan (made by the memory's :meth:`grow
+        <pagedkv.model.scheduling.EngineMemory.grow>`), one forward pass."""
+        self._swap(schedule)
+        reqs = self._decoding(schedule)
         if reqs:
-            logits, greedy = self.runner.decode(self._decode_batch())
+            logits, greedy = self.runner.decode(self._decode_batch(schedule))
             self._decoded(reqs, logits, greedy)
 
-    def run_mixed(self, rows, chunks) -> None:
+    def run_mixed(self, rows, schedule: Schedule) -> None:
         """The last prefill pack (``rows``) and the decode in one pass. The decode is
         planned first (:meth:`_decode_fits` checked that it preempts nobody), so its rows
         are the requests decoding before this pass: a prompt the pass completes chooses
@@ -281,16 +295,16 @@ class Engine(Scheduling, Choosing):
         a recompute is in both parts: its decode row reads the K/V its chunk writes, and
         every row's K/V are written before any row attends."""
         prefill = self._batch([part for _, part in rows])    # before the sequences grow
-        reqs = self._decoding(self.scheduler.decode())
-        self.parts = []
-        if self.swapper is not None:
-            self.copy_swaps()
-        batch = self._decode_batch()
+        self.scheduler.decode()
+        reqs = self._decoding(schedule)
+        schedule.parts = []
+        self._swap(schedule)
+        batch = self._decode_batch(schedule)
         if np.isin(batch.copies[:, 0], prefill.slots // self.block_size).any():
             raise AuditError("a decode copy-on-write copies a block the same pass writes")
         first, logits, greedy = self.runner.mixed(prefill, batch)
         self._prompts_done(rows, first)
-        self._check_first_tokens(chunks)
+        self._check_first_tokens(schedule.chunks)
         self._decoded(reqs, logits, greedy)
 
     def _decode_fits(self) -> bool:
@@ -302,29 +316,38 @@ class Engine(Scheduling, Choosing):
         need = sum(self.manager.blocks_needed(s.seq_id) for s in seqs)
         return bool(seqs) and need <= self.manager.allocator.num_free
 
-    def _decoding(self, reqs) -> list:
-        """The requests of ``reqs`` that decode now: live, with their first token chosen."""
-        reqs = [r for r in reqs if r.live and r.prefilled]
-        self.decoded = len(self.step_seqs) if reqs else 0   # sequences decoded this step
-        return reqs
+    @staticmethod
+    def _decoding(schedule: Schedule) -> list:
+        """The schedule's requests that decode now: live, with their first token chosen."""
+        return [r for r in schedule.decodes if r.live and r.prefilled]
 
-    def _decode_batch(self) -> Batch:
-        """The decode rows of the step's plan (made by :meth:`grow`)."""
-        plan, seqs = self.step_plan, self.step_seqs
+    @staticmethod
+    def _decode_batch(schedule: Schedule) -> Batch:
+        """The decode rows of the schedule's plan (made by the memory's ``grow``)."""
+        plan, seqs = schedule.plan, schedule.seqs
         return Batch(
             tokens=np.array([s.tokens[-1] for s in seqs], dtype=np.int32),
             positions=plan.seq_lens - 1, slots=plan.slot_mapping,
             query_lens=np.ones(len(seqs), dtype=np.int32), seq_lens=plan.seq_lens,
             block_tables=plan.block_tables, copies=plan.copies)
 
-    # ------------------------------------------------------------------ 3. finish
-    def finish(self) -> None:
+    # ------------------------------------------------------------------ update
+    def update(self, schedule: Schedule) -> None:
+        """After the passes: finished requests leave the scheduler (into the schedule's
+        ``finished`` and the engine's), the audit runs if asked, the pool is recorded."""
         for req in [r for r in self.running if r.done]:
             self.scheduler.finish(req)
-            self.finished.append(req)
+            schedule.finished.append(req)
+        self.finished.extend(schedule.finished)
+        if self.audit:
+            self.manager.audit()
+            if self.swapper is not None:
+                self.swapper.audit()
+        self._record(schedule)
+        if self.on_step is not None:
+            self.on_step(self)
 
-    # ------------------------------------------------------------------ accounting
-    def _record(self) -> None:
+    def _record(self, schedule: Schedule) -> None:
         """What the pool holds, from the allocator's counters and one pass over the live
         sequences (a sequence of n tokens maps ceil(n / block_size) blocks, so the blocks
         sharing saves are the mapped ones less the used ones)."""
@@ -336,7 +359,7 @@ class Engine(Scheduling, Choosing):
             blocks_saved=mapped - alloc.num_used, sequences=len(lengths),
             tokens=sum(lengths), copies=self.kv.copies_done, running=len(self.running),
             waiting=len(self.waiting), swapped=len(self.swapped),
-            preemptions=self.counts.preemptions, decoded=self.decoded))
+            preemptions=self.counts.preemptions, decoded=len(schedule.seqs)))
 
     # ------------------------------------------------------------------ cancelling
     def cancel(self, req: Request) -> bool:

@@ -3,9 +3,10 @@ prefill chunks placed in the pool, decode steps, and preemption (recompute or sw
 
 The decisions themselves — who is admitted, how the step's token budget is shared, whom to
 preempt — are :class:`~pagedkv.scheduler.Scheduler`'s, the same scheduler the simulation
-runs on. :class:`Scheduling` is the half of :class:`~pagedkv.model.engine.Engine` that
-answers its questions (the :class:`~pagedkv.scheduler.Memory` interface) from the engine's
-manager and, for swapping, its :class:`~pagedkv.swap.Swapper`:
+runs on. :class:`EngineMemory` answers its questions (the :class:`~pagedkv.scheduler.Memory`
+interface) from the engine's manager and, for swapping, a :class:`~pagedkv.swap.Swapper`;
+what it places in a step (prefill parts, the decode plan, swap copies) it writes into that
+step's :class:`~pagedkv.scheduler.Schedule`, for the engine to execute:
 
 * **Admission** answers for the request at the head of the queue: *now* (the blocks its
   prompt needs, beyond what the prefix cache already holds, are free, with a small
@@ -13,7 +14,7 @@ manager and, for swapping, its :class:`~pagedkv.swap.Swapper`:
   or *never* (even alone in the pool it could not finish: refused when submitted, with the
   reason).
 * **Prefill**: a request's next chunk of tokens is placed (``manager.add`` or
-  ``append``), and the parts to compute are kept for the step's prefill pass.
+  ``append``), and the parts to compute go into the schedule, for the step's prefill pass.
 * **Preemption**: when a step cannot get its blocks, the scheduler takes the most recently
   admitted request. By *recompute*, its K/V is dropped and it waits at the head of the
   queue, to be prefilled again (a prefix-caching manager finds much of it still cached); by
@@ -24,18 +25,16 @@ manager and, for swapping, its :class:`~pagedkv.swap.Swapper`:
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-
-import numpy as np
 
 from ..checks import cdiv, positive_int
 from ..errors import AuditError, ConfigError, OutOfBlocks
-from ..scheduler import Memory
-from ..swap import HostPool, Swapper, copy_to_device, copy_to_host
+from ..scheduler import Memory, Schedule
+from ..swap import HostPool, Swapper
+from .requests import Sequence
 
-__all__ = ["Counts", "Scheduling", "prefill_prompt"]
-
-NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
+__all__ = ["Counts", "EngineMemory", "prefill_prompt"]
 
 
 @dataclass
@@ -63,31 +62,41 @@ def prefill_prompt(manager, seq):
     return seq.prefill
 
 
-class Scheduling(Memory):
-    """The engine's answers to the scheduler (a mixin of
-    :class:`~pagedkv.model.engine.Engine`)."""
+class EngineMemory(Memory):
+    """The engine's answers to the scheduler, from ``manager`` (the pool's): a watermark
+    (a share of the pool admission keeps free), the preemption (``"recompute"``, or
+    ``"swap"`` into a host pool of ``host_blocks`` blocks), at most ``max_seqs``
+    sequences running. It makes the sequences (their ids and the requests' from one
+    counter) and counts what the engine prefilled and preempted (``counts``).
+    ``running`` is the scheduler's list of running requests (set by who makes both)."""
 
-    def _memory(self, watermark: float, preemption: str, host_blocks: int) -> None:
-        """Set the watermark (a share of the pool admission keeps free) and the
-        preemption: ``"recompute"``, or ``"swap"`` into a host pool of ``host_blocks``
-        blocks."""
+    def __init__(self, manager, *, max_seqs: int, watermark: float = 0.01,
+                 preemption: str = "recompute", host_blocks: int = 0):
         if isinstance(watermark, bool) or not 0 <= watermark < 1:
             raise ConfigError(f"watermark must be a share of the pool in [0, 1), "
                               f"got {watermark!r}")
-        alloc = self.kv.allocator
+        self.manager, self.block_size = manager, manager.block_size
+        self.max_seqs = positive_int(max_seqs, "max_seqs")
+        alloc = manager.allocator
         self.watermark_blocks = int(watermark * alloc.num_blocks)
         self.swapper = None
         if preemption == "swap":
             host = HostPool(positive_int(host_blocks, "host_blocks (the swap space)"),
                             alloc.block_bytes)
-            self.swapper = Swapper(self.manager, host)
-            # the device pool as [layers, blocks, elements]: a block in every layer
-            spec = self.kv.spec
-            pool = alloc.pool.view(spec.dtype)
-            self.device_blocks = pool.reshape(spec.layers, alloc.num_blocks, -1)
+            self.swapper = Swapper(manager, host)
         elif preemption != "recompute":
             raise ConfigError(f"preemption must be 'recompute' or 'swap', "
                               f"got {preemption!r}")
+        self.running: list = []
+        self.counts = Counts()
+        self.ids = itertools.count()
+        self.schedule = Schedule()     # the step being placed (Memory.begin)
+
+    def begin(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+
+    def new_seq(self, tokens, prompt_len, score=0.0, parent=None) -> Sequence:
+        return Sequence(next(self.ids), list(tokens), prompt_len, score, parent)
 
     def _worst_case(self, req) -> int:
         """Blocks the request may hold at its largest: every sequence with its own
@@ -161,16 +170,16 @@ class Scheduling(Memory):
         if self.admission(req, promised)[0] != "now":
             return False
         if not req.live:                           # new (not back from a preemption)
-            req.live.append(self._new_seq(req.prompt, len(req.prompt)))
+            req.live.append(self.new_seq(req.prompt, len(req.prompt)))
             req.live[0].prefill = req.hashed
         return self.prefill(req, n)
 
     def prefill(self, req, n: int) -> bool:
         """Place the request's next ``n`` prefill tokens, its sequences in order; False,
-        placing nothing, if their blocks are not free. The parts wait in ``self.parts``
-        for the step's prefill pass. Sequences new to the pool (a request back from a
-        recompute has several) are added together, every cached block they find taken
-        before any fresh one: a fresh block for one must not evict a block another
+        placing nothing, if their blocks are not free. The parts wait in the schedule's
+        ``parts`` for the step's prefill pass. Sequences new to the pool (a request back
+        from a recompute has several) are added together, every cached block they find
+        taken before any fresh one: a fresh block for one must not evict a block another
         finds, or that one would have more to compute than was counted."""
         m, grows, adds, need = self.manager, [], [], 0
         for seq in req.live:
@@ -199,34 +208,33 @@ class Scheduling(Memory):
                                  f"cached tokens where {start} were counted")
             seq.prefill = None
             self._count(seq, start, k, found=start)
-            self.parts.append((req, _part(seq, start, k, plan)))
+            self.schedule.parts.append((req, _part(seq, start, k, plan)))
         for seq, start, k in grows:
             plan = m.append(seq.seq_id, seq.tokens[start:start + k])
             self._count(seq, start, k)
-            self.parts.append((req, _part(seq, start, k, plan)))
+            self.schedule.parts.append((req, _part(seq, start, k, plan)))
         if req.live[0].generated and not self.to_prefill(req):
             req.prefilled = True                   # back from a recompute: it decodes
         return True
 
     def grow(self, reqs) -> bool:
-        """One more token for every sequence of ``reqs``: the step's plan, or False. (A
-        request done at its first token has no sequence; one whose first token the step's
-        single pass will choose, none yet.)"""
+        """One more token for every sequence of ``reqs``: the schedule's plan, or False.
+        (A request done at its first token has no sequence; one whose first token the
+        step's single pass will choose, none yet.)"""
         seqs = [s for r in reqs if r.prefilled for s in r.live]
-        self.step_seqs = seqs
         if not seqs:
             return True
         try:
-            self.step_plan = self.manager.step([s.seq_id for s in seqs],
-                                               [s.tokens[-1] for s in seqs])
+            plan = self.manager.step([s.seq_id for s in seqs], [s.tokens[-1] for s in seqs])
         except OutOfBlocks:
             return False
+        self.schedule.plan, self.schedule.seqs = plan, seqs
         return True
 
     def preempt(self, req) -> bool:
         """``req`` gives its blocks back, by swap when there is a swapper with room, else
-        by recompute. True if it was swapped out (its copies wait for the next pass)."""
-        if any(r is req for r, _ in self.parts):
+        by recompute. True if it was swapped out (its copies wait in the schedule)."""
+        if any(r is req for r, _ in self.schedule.parts):
             raise AuditError("a request is preempted after its prefill was planned")
         self.counts.preemptions += 1
         ids = [s.seq_id for s in req.live if s.seq_id in self.manager]
@@ -236,7 +244,7 @@ class Scheduling(Memory):
             except OutOfBlocks:                    # the host pool is full: recompute
                 pass
             else:
-                self.swap_pairs[1].append(pairs)
+                self.schedule.swap_outs.append(pairs)
                 self.counts.swapped_out += len(pairs)
                 return True
         for seq_id in ids:
@@ -253,19 +261,9 @@ class Scheduling(Memory):
         # (the tokens whose K/V were swapped out: all but a decoding sequence's pending one)
         held = [self.swapper.swapped[i].num_tokens for i in ids]
         pairs = self.swapper.swap_in(ids, [s.tokens[:n] for s, n in zip(req.live, held)])
-        self.swap_pairs[0].append(pairs)
+        self.schedule.swap_ins.append(pairs)
         self.counts.swapped_in += len(pairs)
         return True
-
-    def copy_swaps(self) -> None:
-        """The step's swap copies so far, in one call each way: swap-ins first (a request
-        back this step may leave again), then swap-outs; before any pass writes K/V."""
-        ins, outs = (np.concatenate(p) if p else NO_PAIRS for p in self.swap_pairs)
-        if len(ins):
-            copy_to_device(self.swapper.host, self.device_blocks, ins)
-        if len(outs):
-            copy_to_host(self.device_blocks, self.swapper.host, outs)
-        self.swap_pairs = ([], [])
 
     # ------------------------------------------------------------------ counting
     def _count(self, seq, start: int, n: int, found: int = 0) -> None:

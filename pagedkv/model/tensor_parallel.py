@@ -54,11 +54,15 @@ def shard(model: Llama, rank: int, world: int) -> Shard:
 
 
 def shard_caches(model: Llama, world: int, num_blocks: int, block_size: int) -> list:
-    """One cache per rank, each holding ``kv_heads / world`` heads per token. Rank 0's
-    manager keeps the page tables of all: the others' managers are never used."""
+    """One cache per rank, each holding ``kv_heads / world`` heads per token, and one
+    manager for all: rank 0's plans the page tables every rank's cache reads (the other
+    ranks' caches hold only their pools)."""
     c = model.config
     spec = replace(model.kv_spec(), kv_heads=c.kv_heads // world)
-    return [PagedKV(spec, num_blocks, block_size, xp=model.xp) for _ in range(world)]
+    first = PagedKV(spec, num_blocks, block_size, xp=model.xp)
+    shared = lambda allocator, block_size: first.manager          # noqa: E731
+    return [first] + [PagedKV(spec, num_blocks, block_size, xp=model.xp, manager_cls=shared)
+                      for _ in range(world - 1)]
 
 
 def _qkv(model: Llama, part: Shard, i: int, x, positions):

@@ -55,14 +55,12 @@ def make_engine(options: dict):
                     prefill_chunk=o["token_budget"] or 2048,   # one pass a step's prefill
                     bookkeeping="fast" if runner == "fast" else "teaching", **o)
     info = dict(blocks=blocks, max_seqs=max_seqs, runner=runner, graphs=0)
-    capture = getattr(engine.runner, "capture_all", None)
-    if capture is not None:
-        t = time.perf_counter()
-        info["graphs"] = capture()
-        info["capture_s"] = time.perf_counter() - t
-        if info["graphs"]:
-            log.info("captured %d CUDA graphs (batch buckets up to %d) in %.1f s",
-                     info["graphs"], max_seqs, info["capture_s"])
+    t = time.perf_counter()
+    info["graphs"] = engine.runner.capture_all()
+    info["capture_s"] = time.perf_counter() - t
+    if info["graphs"]:
+        log.info("captured %d CUDA graphs (batch buckets up to %d) in %.1f s",
+                 info["graphs"], max_seqs, info["capture_s"])
     _inject_failures(engine)
     return engine, info
 
