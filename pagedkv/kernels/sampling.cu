@@ -8,9 +8,10 @@
 // passes u * (kept mass). A token whose p is 0 is never kept. T = 0: the first argmax.
 //
 // No sort: a threshold is found by bisection on the bits of a float. For p >= 0 the bit
-// pattern, read as an unsigned integer, orders like the value, so ~30 halvings of the range
-// [smallest positive float, 1.0] give the exact threshold. Each halving is one pass over the
-// row's p (kept in shared memory) and one sum over the block. Sums are float64; every thread
+// pattern, read as an unsigned integer, orders like the value, so at most ~30 halvings of the
+// range [smallest positive float, 1.0] give the exact threshold, fewer when a single token is
+// left in the range. Each halving is one pass over the row's p (kept in shared memory) and
+// one sum over the block. Sums are float64; every thread
 // sees the same sum (a butterfly reduction), so the whole block takes the same branch.
 
 #define THREADS 1024
@@ -49,6 +50,37 @@ __device__ __forceinline__ void mass_at(const float* p, int vocab, float t, doub
         if (v >= t) { m += v; c += 1; }
     }
     block_sum(m, c, sm, sc);
+}
+
+// The largest float t (its bits in lo) with count{p >= t} >= goal (by_mass false) or
+// mass{p >= t} >= goal (by_mass true), given that lo satisfies it with (mass, count) =
+// (m_lo, c_lo), and that t is at most 1.0. Halve [lo, hi) until one value is left, or until
+// a single token lies in it: then that token's value is t (the largest p below hi).
+__device__ void bisect(const float* p, int vocab, unsigned& lo, double& m_lo, int& c_lo,
+                       double goal, bool by_mass, double* sm, int* sc) {
+    unsigned hi = 0x3F800000u + 1u;                    // just above 1.0: nothing is there
+    int c_hi = 0;
+    while (hi - lo > 1u && c_lo - c_hi > 1) {
+        const unsigned mid = lo + (hi - lo) / 2u;
+        double m; int c;
+        mass_at(p, vocab, __uint_as_float(mid), m, c, sm, sc);
+        if (by_mass ? m >= goal : c >= goal) { lo = mid; m_lo = m; c_lo = c; }
+        else { hi = mid; c_hi = c; }
+    }
+    if (hi - lo > 1u) {                                // one token in [lo, hi): its value
+        unsigned best = 0u;
+        for (int j = threadIdx.x; j < vocab; j += THREADS) {
+            const unsigned b = __float_as_uint(p[j]);
+            if (b < hi && b > best) best = b;          // p >= 0: bits order like values
+        }
+        for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL, best, o));
+        __syncthreads();
+        if (threadIdx.x % 32 == 0) sc[threadIdx.x / 32] = (int)best;
+        __syncthreads();
+        best = (unsigned)sc[threadIdx.x % 32];
+        for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL, best, o));
+        lo = best;                                     // the same set: m_lo, c_lo stand
+    }
 }
 
 // params: 5 rows of `rows` uint64 values: T and top_p (float64 bits), top_k, seed, counter.
@@ -115,28 +147,16 @@ sample_rows_kernel(const float* __restrict__ logits, const int vocab,
     block_sum(total, positive, sm, sc);
 
     // 3. top-k: the largest t with count{p >= t} >= k (t = 1 bit: all positive tokens).
+    // The bisection keeps count{p >= lo} >= k > count{p >= hi}; once one token alone lies
+    // in [lo, hi), its value is the answer, found by one max: ~17 halvings, not ~30.
     unsigned lo = 1u;                                  // the smallest positive float
     double kept = total;
-    if (top_k > 0 && top_k < positive) {
-        unsigned hi = 0x3F800000u + 1u;                // just above 1.0: count 0 < k
-        while (hi - lo > 1u) {
-            const unsigned mid = lo + (hi - lo) / 2u;
-            double m; int c;
-            mass_at(p, vocab, __uint_as_float(mid), m, c, sm, sc);
-            if (c >= top_k) { lo = mid; kept = m; } else { hi = mid; }
-        }
-    }
+    int c_lo = positive;
+    if (top_k > 0 && top_k < positive)
+        bisect(p, vocab, lo, kept, c_lo, (double)top_k, false, sm, sc);
     // 4. top-p: the largest t >= t_k with mass{p >= t} >= top_p * mass{p >= t_k}.
-    if (top_p < 1.0) {
-        const double target = top_p * kept;
-        unsigned hi = 0x3F800000u + 1u;                // just above 1.0: mass 0 < target
-        while (hi - lo > 1u) {
-            const unsigned mid = lo + (hi - lo) / 2u;
-            double m; int c;
-            mass_at(p, vocab, __uint_as_float(mid), m, c, sm, sc);
-            if (m >= target) { lo = mid; kept = m; } else { hi = mid; }
-        }
-    }
+    if (top_p < 1.0)
+        bisect(p, vocab, lo, kept, c_lo, top_p * kept, true, sm, sc);
     const float thr = __uint_as_float(lo);
 
     // 5. u: the counter-th number of the seed's splitmix64 stream, 24 bits.

@@ -32,8 +32,10 @@ A banned token (an end token before ``min_tokens``) is the caller's to give the 
 
 Exactness and its limits. Without a sort the kernel finds ``t_k`` and ``t`` by bisection on
 the bits of a float32 (for ``p >= 0`` the bit pattern read as an integer orders like the
-value), about 30 passes over the row's ``p`` held in shared memory: the exact thresholds of
-the rule above. The kernel and the reference add the same float64 numbers in different
+value), each halving one pass over the row's ``p`` held in shared memory, and stopping as
+soon as a single token lies in the range (its value is then the threshold): the exact
+thresholds of the rule above, in ~15 passes for top-p 0.9 on 49,152 random logits (~30
+when values tie at the cut). The kernel and the reference add the same float64 numbers in different
 orders (off by ~1e-16 of the mass), so they differ only at a true near-tie: a mass within
 that of ``top_p``'s target, or ``u * mass`` within that of a token's edge. The distribution
 sampled is the rule's up to ``u``'s 24 bits. ``perf/sampling_check.py`` times the kernel
