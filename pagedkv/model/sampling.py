@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import backend
 from ..beams import follow
-from ..kernels.sampling import derive_seed, sample_rows
+from ..kernels.sampling import derive_seed, pack_rows, sample_packed
 
 if TYPE_CHECKING:
     from .requests import Request, SamplingParams, Sequence
@@ -165,25 +165,22 @@ class Choosing:
         """One call of the batch sampler for every live sequence of the ``(request, first
         row)`` pairs, one download of the tokens. A sequence draws from its own stream: its
         seed (:meth:`_stream`) and the number of tokens it has generated."""
-        rows, params, banned = [], [], []
+        rows, banned, values = [], [], []
         for req, start in batch:
-            p, early = req.params, set(self._early(req))
+            p = req.params
+            if p.min_tokens:
+                banned += [len(rows) + i for i in self._early(req)]
             for i, seq in enumerate(req.live):
-                if i in early:
-                    banned.append(len(rows))
                 rows.append(start + i)
-                params.append((p.temperature, p.top_p, p.top_k, self._stream(req, seq),
-                               seq.num_generated))
+                values.append((p.temperature, p.top_p, p.top_k, self._stream(req, seq),
+                               len(seq.tokens) - seq.prompt_len))
         xp = np if isinstance(logits, np.ndarray) else backend.xp
         if banned or rows != list(range(len(logits))):
             logits = logits[xp.asarray(rows)]                # a copy: masking is safe
         if banned:
             stop = xp.asarray(sorted(self.stop_ids))
             logits[xp.asarray(banned)[:, None], stop[None, :]] = -np.inf
-        t, top_p, top_k, seeds, counters = zip(*params)
-        tokens = backend.to_numpy(sample_rows(
-            logits, np.array(t), np.array(top_p), np.array(top_k),
-            np.array(seeds, dtype=np.uint64), np.array(counters))).tolist()
+        tokens = backend.to_numpy(sample_packed(logits, pack_rows(*zip(*values)))).tolist()
         at = 0
         for req, _ in batch:
             n = len(req.live)
