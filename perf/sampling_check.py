@@ -16,6 +16,9 @@ fixed seed), it first checks, then times:
   and at top-k 50 with top-p 0.9 (``sample_rows_top_k``);
 * ``argmax_rows``: greedy decoding's kernel (:mod:`pagedkv.kernels.fused`), the floor, and
   ``ratio``: the sampler's time over it;
+* ``engine_call`` and ``greedy_call``: the engine's whole call by wall clock (the parameters
+  packed on the host, uploaded, the kernel, the tokens downloaded), beside greedy's argmax
+  and download;
 * ``engine_host_sampler``: one call per request of the host sampler ``sample`` on its row of
   device logits (what the engine did on a GPU before the batch sampler), per step.
 
@@ -42,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from pagedkv import backend  # noqa: E402
 from pagedkv.kernels.fused import argmax_rows  # noqa: E402
-from pagedkv.kernels.sampling import kept_tokens, reference_rows, sample_rows  # noqa: E402
+from pagedkv.kernels.sampling import (kept_tokens, pack_rows, reference_rows,  # noqa: E402
+                                      sample_packed, sample_rows)
 from pagedkv.model.sampling import sample as host_sample  # noqa: E402
 
 VOCAB = 49_152
@@ -111,6 +115,14 @@ def run_batch(rows, vocab, reps, xp, gpu):
         lambda: sample_rows(logits, t_h, p_h, k50, seeds_h, counters_h))
     out["argmax_rows_ms"] = event(lambda: argmax_rows(logits, out=greedy_out))
     out["ratio_sample_over_argmax"] = out["sample_rows_ms"] / out["argmax_rows_ms"]
+
+    # the engine's whole call, by wall clock: the parameters packed on the host, one upload,
+    # the kernel, the tokens downloaded; beside greedy's argmax and download
+    values = [(T, TOP_P, 0, int(sd), int(c)) for sd, c in zip(seeds_h, counters_h)]
+    out["engine_call_ms"] = wall(lambda: backend.to_numpy(
+        sample_packed(logits, pack_rows(*zip(*values)))), max(3, reps), sync)
+    out["greedy_call_ms"] = wall(lambda: backend.to_numpy(
+        argmax_rows(logits, out=greedy_out)), max(3, reps), sync)
 
     u = np.random.default_rng(7).random(rows)
 

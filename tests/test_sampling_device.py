@@ -3,9 +3,9 @@
 The oracle is the exact categorical distribution, computed here in float64 with a loop per
 row and nothing from the module under test: the softmax of ``logits / T``, cut to the
 tokens at or above the ``k``-th largest probability (ties all in), then to the tokens at or
-above the largest value whose share of their mass is at least ``top_p`` (ties all in). Draws are compared with
-it by Pearson's chi-square test, failing below a p-value of 1e-6; a draw outside the
-oracle's support fails at once. Every case prints its seed.
+above the largest value whose share of their mass is at least ``top_p`` (ties all in).
+Draws are compared with it by Pearson's chi-square test, failing below a p-value of 1e-6; a
+draw outside the oracle's support fails at once. Every case prints its seed.
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def test_kept_set_is_the_smallest_prefix_with_the_mass(xp):
 
 
 def test_top_p_at_a_prefix_mass_boundary():
-    probs = np.array([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])   # most likely: 1, 3, 4, then 2 and 5 (equal)
+    probs = np.array([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])   # most likely 1, 3, 4; 2 and 5 equal
     logits = np.log(probs).astype(np.float32)[None, :]
     for top_p, want in [(0.549, [1, 3]), (0.551, [1, 3, 4]), (0.749, [1, 3, 4]),
                         (0.751, [1, 3, 4, 2, 5]), (0.849, [1, 3, 4, 2, 5]),

@@ -105,7 +105,7 @@ sample_rows_kernel(const float* __restrict__ logits, const int vocab,
     const unsigned long long seed = params[3 * rows + row], counter = params[4 * rows + row];
 
     // 1. The largest logit and the first token that holds it.
-    float best = -INFINITY;
+    float best = __int_as_float(0xff800000);           // -inf (NVRTC has no math.h)
     int at = vocab;
     for (int j = tid; j < vocab; j += THREADS)
         if (x[j] > best) { best = x[j]; at = j; }

@@ -52,8 +52,8 @@ import numpy as np
 from .. import backend
 from ..errors import ConfigError
 
-__all__ = ["sample_rows", "sample_packed", "pack_rows", "reference_rows", "probabilities", "kept_tokens", "thresholds",
-           "uniforms", "splitmix64", "derive_seed"]
+__all__ = ["sample_rows", "sample_packed", "pack_rows", "reference_rows", "probabilities",
+           "kept_tokens", "thresholds", "uniforms", "splitmix64", "derive_seed"]
 
 GOLDEN = 0x9E3779B97F4A7C15    # splitmix64's increment: 2**64 / the golden ratio, odd
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -222,6 +222,7 @@ def pack_rows(temperature, top_p, top_k, seeds, counters) -> np.ndarray:
 def sample_packed(logits, packed):
     """:func:`sample_rows` for parameters packed by :func:`pack_rows` (not checked again):
     one upload of them, one kernel launch on a GPU; :func:`reference_rows` on NumPy."""
+    _check(logits)
     if _xp(logits) is np:
         t, tp = packed[:2].view(np.float64)
         return reference_rows(logits, t, tp, packed[2].astype(np.int64), packed[3],
