@@ -187,6 +187,10 @@ sample_rows_kernel(const float* __restrict__ logits, const int vocab,
         else if (W < 0) before += seg[k];
     }
     if (W < 0) { W = last; before = 0.0; }             // rounding: the last kept mass
+    if (W < 0) {                                       // no mass at all (NaN logits)
+        if (tid == 0) out[row] = at;
+        return;
+    }
     if (w != W) return;
     const double goal = target - before;               // within warp W's own tokens
     double run = 0.0;
