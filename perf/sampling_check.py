@@ -6,23 +6,26 @@
 For each batch size (vocabulary 49,152, SmolLM2's; logits float32, normal with sd 3, from a
 fixed seed), it first checks, then times:
 
-* ``checks``: the device's tokens against NumPy's for the same inputs (rows that differ are
-  float32 near-ties; a few at most), and greedy rows (temperature 0) against ``argmax_rows``;
+* ``checks``: the kernel's kept sets (:func:`pagedkv.kernels.sampling.kept_tokens`) and
+  tokens against the NumPy reference's (sort-based) on the same rows, at the timed
+  parameters and at mixed ones (top-k, top-p, greedy rows): rows that differ are near-ties
+  of float64 sums, a few at most; and greedy rows (temperature 0) against ``argmax_rows``;
 * ``sample_rows``: :func:`pagedkv.kernels.sampling.sample_rows` at temperature 0.7, top-p 0.9
-  (top-k off), the per-row parameters already on the device (as an engine keeps them), and
-  again with host parameters (each call uploads them: ``sample_rows_host_params``);
-* ``argsort``: the stable sort inside it alone, its largest part;
-* ``argmax_rows``: greedy decoding's kernel (:mod:`pagedkv.kernels.fused`), the floor;
-* ``engine_today``: what the engine does now for a sampled request: one call per request of
-  the host sampler ``sample`` on its row of device logits (its array operations run on the
-  device, and its token is downloaded), over all the rows, per step and per request;
-* ``download_numpy``: the path with the host doing the work: the logits downloaded, then
-  ``sample`` on each row in NumPy; per step and per request.
+  (top-k off), the per-row parameters uploaded from the host as the engine does each step
+  (one array), and again with them already on the device (``sample_rows_device_params``);
+  and at top-k 50 with top-p 0.9 (``sample_rows_top_k``);
+* ``argmax_rows``: greedy decoding's kernel (:mod:`pagedkv.kernels.fused`), the floor, and
+  ``ratio``: the sampler's time over it;
+* ``engine_call`` and ``greedy_call``: the engine's whole call by wall clock (the parameters
+  packed on the host, uploaded, the kernel, the tokens downloaded), beside greedy's argmax
+  and download;
+* ``engine_host_sampler``: one call per request of the host sampler ``sample`` on its row of
+  device logits (what the engine did on a GPU before the batch sampler), per step.
 
-On a GPU the first three are medians of CUDA-event timings (``pagedkv.bench.kernels.time_fn``);
-the per-request paths, which wait for the device, are medians of wall-clock steps. On a CPU
-(``--quick`` or no GPU) everything is wall clock, with smaller batches: only the checks mean
-anything there. The JSON has the date, the machine and the backend.
+On a GPU the kernels are timed with CUDA events (``pagedkv.bench.kernels.time_fn``, medians);
+the per-request path, which waits for the device, by wall clock. On a CPU (``--quick`` or no
+GPU) everything is wall clock, with smaller batches: only the checks mean anything there.
+The JSON has the date, the machine and the backend.
 """
 from __future__ import annotations
 
@@ -42,12 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from pagedkv import backend  # noqa: E402
 from pagedkv.kernels.fused import argmax_rows  # noqa: E402
-from pagedkv.kernels.sampling import sample_rows  # noqa: E402
-
-try:
-    from pagedkv.model.sampling import sample as host_sample  # noqa: E402
-except ImportError:
-    from pagedkv.model.generate import sample as host_sample  # noqa: E402
+from pagedkv.kernels.sampling import (kept_tokens, pack_rows, reference_rows,  # noqa: E402
+                                      sample_packed, sample_rows)
+from pagedkv.model.sampling import sample as host_sample  # noqa: E402
 
 VOCAB = 49_152
 T, TOP_P = 0.7, 0.9
@@ -66,6 +66,15 @@ def wall(fn, reps, sync):
     return statistics.median(out)
 
 
+def _differ(xp, logits_h, t, p, k, seeds, counters):
+    """(rows whose kept sets differ, rows whose tokens differ): the backend against NumPy."""
+    kept = backend.to_numpy(kept_tokens(xp.asarray(logits_h), t, p, k))
+    kept_ref = kept_tokens(logits_h, t, p, k)
+    mine = backend.to_numpy(sample_rows(xp.asarray(logits_h), t, p, k, seeds, counters))
+    ref = reference_rows(logits_h, t, p, k, seeds, counters)
+    return int((kept != kept_ref).any(axis=1).sum()), int((mine != ref).sum())
+
+
 def run_batch(rows, vocab, reps, xp, gpu):
     rng = np.random.default_rng(20261203 + rows)
     logits_h = (rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
@@ -73,18 +82,20 @@ def run_batch(rows, vocab, reps, xp, gpu):
     counters_h = rng.integers(0, 1000, rows)
     t_h, p_h, k_h = np.full(rows, T), np.full(rows, TOP_P), np.zeros(rows, np.int64)
     logits = xp.asarray(logits_h)
-    t, p, k, seeds, counters = (xp.asarray(a) for a in (t_h, p_h, k_h, seeds_h, counters_h))
     sync = (lambda: xp.cuda.Device().synchronize()) if gpu else (lambda: None)
 
-    # checks: the device against NumPy on the same inputs; greedy rows against argmax_rows
+    # checks: the backend against the NumPy reference on the same inputs
     n_check = min(rows, 64)
-    mine = backend.to_numpy(sample_rows(logits[:n_check], t[:n_check], p[:n_check],
-                                        k[:n_check], seeds[:n_check], counters[:n_check]))
-    ref = sample_rows(logits_h[:n_check], t_h[:n_check], p_h[:n_check], k_h[:n_check],
-                      seeds_h[:n_check], counters_h[:n_check])
-    greedy = backend.to_numpy(sample_rows(logits, 0.0, 1.0, 0, seeds, counters))
+    sl = slice(0, n_check)
+    kept_d, tok_d = _differ(xp, logits_h[sl], t_h[sl], p_h[sl], k_h[sl], seeds_h[sl],
+                            counters_h[sl])
+    mixed = (rng.choice([0.0, 0.5, 1.0, 1.3], n_check), rng.choice([1.0, 0.9, 0.5], n_check),
+             rng.choice([0, 1, 50, 1000], n_check))
+    kept_m, tok_m = _differ(xp, logits_h[sl], *mixed, seeds_h[sl], counters_h[sl])
+    greedy = backend.to_numpy(sample_rows(logits, 0.0, 1.0, 0, seeds_h, counters_h))
     out = {"batch": rows, "vocab": vocab, "temperature": T, "top_p": TOP_P,
-           "checked_rows": n_check, "rows_differing_from_numpy": int((mine != ref).sum()),
+           "checked_rows": n_check, "kept_sets_differing": kept_d, "tokens_differing": tok_d,
+           "mixed_params_kept_sets_differing": kept_m, "mixed_params_tokens_differing": tok_m,
            "greedy_equals_argmax_rows": bool((greedy == backend.to_numpy(
                argmax_rows(logits))).all())}
 
@@ -94,29 +105,32 @@ def run_batch(rows, vocab, reps, xp, gpu):
     else:
         event = lambda fn: wall(fn, max(3, reps // 10), sync)  # noqa: E731
     greedy_out = xp.empty(rows, dtype=np.int32)
-    out["sample_rows_ms"] = event(lambda: sample_rows(logits, t, p, k, seeds, counters))
-    out["sample_rows_host_params_ms"] = event(
+    t, p, k, seeds, counters = (xp.asarray(a) for a in (t_h, p_h, k_h, seeds_h, counters_h))
+    out["sample_rows_ms"] = event(
         lambda: sample_rows(logits, t_h, p_h, k_h, seeds_h, counters_h))
-    out["argsort_ms"] = event(lambda: xp.argsort(logits, axis=1, kind="stable"))
+    out["sample_rows_device_params_ms"] = event(
+        lambda: sample_rows(logits, t, p, k, seeds, counters))
+    k50 = np.full(rows, 50)
+    out["sample_rows_top_k_ms"] = event(
+        lambda: sample_rows(logits, t_h, p_h, k50, seeds_h, counters_h))
     out["argmax_rows_ms"] = event(lambda: argmax_rows(logits, out=greedy_out))
+    out["ratio_sample_over_argmax"] = out["sample_rows_ms"] / out["argmax_rows_ms"]
+
+    # the engine's whole call, by wall clock: the parameters packed on the host, one upload,
+    # the kernel, the tokens downloaded; beside greedy's argmax and download
+    values = [(T, TOP_P, 0, int(sd), int(c)) for sd, c in zip(seeds_h, counters_h)]
+    out["engine_call_ms"] = wall(lambda: backend.to_numpy(
+        sample_packed(logits, pack_rows(*zip(*values)))), max(3, reps), sync)
+    out["greedy_call_ms"] = wall(lambda: backend.to_numpy(
+        argmax_rows(logits, out=greedy_out)), max(3, reps), sync)
 
     u = np.random.default_rng(7).random(rows)
-    steps = max(2, reps // 10)
 
-    def engine_today():                       # one host-sampler call per request, on the device
+    def engine_host_sampler():                # one host-sampler call per request
         for i in range(rows):
             host_sample(logits[i:i + 1], T, TOP_P, u[i:i + 1])
 
-    def download_numpy():                     # download, then NumPy per request
-        h = backend.to_numpy(logits)
-        for i in range(rows):
-            host_sample(h[i:i + 1], T, TOP_P, u[i:i + 1])
-
-    for name, fn in (("engine_today", engine_today), ("download_numpy", download_numpy)):
-        ms = wall(fn, steps, sync)
-        out[f"{name}_step_ms"] = ms
-        out[f"{name}_per_request_ms"] = ms / rows
-    out["download_ms"] = wall(lambda: backend.to_numpy(logits), max(3, reps // 3), sync)
+    out["engine_host_sampler_step_ms"] = wall(engine_host_sampler, max(2, reps // 10), sync)
     return out
 
 
@@ -141,8 +155,9 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-    bad = [r for r in results["batches"]
-           if not r["greedy_equals_argmax_rows"] or r["rows_differing_from_numpy"] > 2]
+    bad = [r for r in results["batches"] if not r["greedy_equals_argmax_rows"] or max(
+        r["kept_sets_differing"], r["tokens_differing"], r["mixed_params_kept_sets_differing"],
+        r["mixed_params_tokens_differing"]) > 2]
     if bad:
         print("CHECK FAILED:", bad)
         return 1

@@ -244,6 +244,105 @@ def test_ignore_eos_and_min_tokens(tiny, kind, runner):
     assert engine.manager.allocator.num_free == 300
 
 
+# ------------------------------------------------------- sampling the batch in one call
+
+class BatchEngine(Engine):
+    """The engine with the GPU's sampling path (every sampled row of a step in one call of
+    the batch sampler), run here on NumPy."""
+    batch_sampling = True
+
+
+def _generated(engine, prompts, params):
+    return [[s.generated for s in r.outputs()] for r in engine.generate(prompts, params)]
+
+
+def test_top_k_one_is_greedy_on_both_paths(tiny):
+    """top_k = 1 keeps the most likely token alone: sampling at any temperature is greedy."""
+    prompts = _prompts(SEED)
+    greedy = _generated(Engine(tiny, num_blocks=300, stop_ids=STOP), prompts,
+                        PARAMS["greedy"])
+    p = SamplingParams(max_new_tokens=20, temperature=1.5, top_k=1, seed=5)
+    for cls in (Engine, BatchEngine):
+        assert _generated(cls(tiny, num_blocks=300, stop_ids=STOP), prompts, p) == greedy
+
+
+def test_top_k_limits_the_host_sampler(tiny):
+    """The host path's top_k: every token is among the k most likely of its step."""
+    prompt, k = _prompts(SEED)[1], 3
+    p = SamplingParams(max_new_tokens=12, temperature=2.0, top_k=k, seed=9)
+    (req,) = Engine(tiny, num_blocks=300, stop_ids=STOP).generate([prompt], p)
+    tokens = list(prompt)
+    for t in req.outputs()[0].generated:
+        logits = reference_logits(tiny, tokens)
+        assert t in np.argsort(-logits)[:k], (tokens, t)
+        tokens.append(t)
+
+
+def reference_logits(model, tokens):
+    """The last position's logits for ``tokens``, from the contiguous-cache oracle."""
+    from pagedkv.model.reference import ContiguousCache, reference_forward
+    c = model.config
+    cache = ContiguousCache(c.layers, c.kv_heads, c.head_dim)
+    return np.asarray(reference_forward(model, cache, tokens))[-1]
+
+
+def test_batch_sampling_is_the_same_whatever_the_batch(tiny):
+    """A sequence draws from its own stream (seed, counter): alone or beside others, in one
+    batch call, a request gets the same tokens; and the same seed gives the same tokens."""
+    prompts = _prompts(SEED)
+    p = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=40, n=2,
+                       seed=7)
+    together = _generated(BatchEngine(tiny, num_blocks=300, stop_ids=STOP), prompts, p)
+    alone = [_generated(BatchEngine(tiny, num_blocks=300, stop_ids=STOP), [q], p)[0]
+             for q in prompts]
+    assert together == alone
+    assert all(a[0] != a[1] for a in together)             # the two samples draw apart
+    q = SamplingParams(**{**p.__dict__, "seed": 8})
+    assert _generated(BatchEngine(tiny, num_blocks=300, stop_ids=STOP), prompts, q) \
+        != together
+
+
+def test_batch_sampling_follows_the_reference_sampler(tiny):
+    """Each token of the batch path is the batch sampler's choice for its step: replayed
+    with the oracle model's logits, the stream's seed and counter, the reference rule
+    (sort-based, in NumPy) chooses the same token."""
+    from pagedkv.kernels.sampling import derive_seed, reference_rows
+    prompt = _prompts(SEED)[2]
+    p = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.85, top_k=20, seed=3)
+    (req,) = BatchEngine(tiny, num_blocks=300, stop_ids=STOP).generate([prompt], p)
+    tokens, seed = list(prompt), derive_seed(3, 0)
+    for i, t in enumerate(req.outputs()[0].generated):
+        logits = reference_logits(tiny, tokens).astype(np.float32)[None, :]
+        assert int(reference_rows(logits, 0.8, 0.85, 20, seed, i)[0]) == t
+        tokens.append(t)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "n4"])
+def test_batch_sampling_min_tokens_and_stops(tiny, kind):
+    """On the batch path too: min_tokens masks the stop id in its rows, and a stop id ends
+    the answer."""
+    params, prompt = PARAMS[kind], _prompts(SEED)[1]
+    free = BatchEngine(tiny, num_blocks=300, stop_ids=())
+    best = free.generate([prompt], params)[0].outputs()[0].generated
+    i, stop = _first_new(best)
+    engine = BatchEngine(tiny, num_blocks=300, stop_ids=(stop,), audit=True)
+    (req,) = engine.generate([prompt], params)
+    assert req.outputs()[0].generated == best[:i + 1]       # the same draws, cut at stop
+    m = i + 2
+    (req,) = engine.generate([prompt], SamplingParams(**{**params.__dict__,
+                                                         "min_tokens": m}))
+    for s in req.outputs():
+        g = s.generated
+        assert stop not in g[:m] and (len(g) == params.max_new_tokens or g[-1] == stop)
+    assert engine.manager.allocator.num_free == 300
+
+
+def test_bad_top_k():
+    for bad in (-1, 2.5, "3", True):
+        with pytest.raises(ConfigError, match="top_k"):
+            SamplingParams(top_k=bad)
+
+
 # ---------------------------------------------------------------------- the CLI
 
 @pytest.mark.parametrize("argv, match", [

@@ -1,62 +1,63 @@
 """Sampling a whole batch in one call, on the device: temperature, top-k, top-p, seeds.
 
 :func:`sample_rows` chooses one token for every row of a batch of logits, each row with its
-own temperature, top-p, top-k, seed and step counter, in a fixed number of array operations:
-no Python loop over rows, no copy to the host inside. It is written once with array
-operations that NumPy and CuPy both have (``xp`` is either module), so the CPU tests run the
-very code the GPU runs. Four steps, each a few lines below:
+own temperature, top-p, top-k, seed and step counter: on a GPU one kernel launch
+(``sampling.cu``, one block per row) and no sort; on NumPy, :func:`reference_rows`, the
+oracle the kernel is tested against, which sorts. The rule both follow, exactly:
 
-1. **Rank** (:func:`ranked`): ``z = logits / temperature``; each row sorted most likely first
-   by a *stable* sort, so equal values keep their token order (the lower token id first);
-   ``p = exp(z - max z)``, unnormalised. A row whose temperature is 0 is greedy: its token
-   is the first of the ranking, the first of the largest logits, which is ``argmax``.
-2. **Filter** (:func:`keep_ranked`): top-k keeps the ``k`` first ranks (``k = 0``: all);
-   top-p then keeps the smallest prefix of those whose mass is at least ``top_p`` times
-   theirs: a rank stays when the mass ranked *before* it is less than that, so the first
-   always stays, and ``top_p = 1`` keeps all ``k``. Ties at a cut go by rank, hence by
-   token id: of two equal tokens at the edge, the lower id stays. This is the host
-   sampler's rule (``pagedkv.model``'s ``sample``), top-k applied first as vLLM does.
-3. **A uniform number per row** (:func:`uniforms`): a counter-based generator, the
-   splitmix64 hash of ``(seed, counter)`` in uint64 integer arithmetic. It holds no state:
-   the engine passes each sequence's seed and the number of tokens it has drawn, and the
-   same pair always gives the same number, bit for bit on NumPy and CuPy. The row's place
-   in the batch is deliberately *not* hashed: a request draws the same tokens whatever
-   batch it shares. Two rows with the same seed and counter draw the same number, so the
-   ``n`` samples of one request need seeds of their own (:func:`derive_seed`).
-4. **Choose** (inverse CDF): the token is where ``u * (kept mass)`` falls in the running
-   sum of the kept ranks' ``p``, as the host sampler does it.
+1. **Probabilities** (:func:`probabilities`): ``z = logits / T`` in float32, ``T`` rounded
+   to float32; ``p = exp(z - max z)``, the exp taken in float64 and rounded to float32 (so
+   the GPU's ``p`` is NumPy's, bit for bit, but for a double rounding at a float32 midpoint:
+   about one element in 2**28). ``p`` is unnormalised; the largest is 1.
+2. **Top-k**: ``t_k`` is the largest value with at least ``k`` tokens whose ``p >= t_k``
+   (``k = 0``, or ``k`` at least the number of tokens with ``p > 0``: the smallest positive
+   ``p``). The top-k set is ``{p >= t_k}``: every token tied with the ``k``-th is kept, so
+   the set may hold more than ``k`` tokens when values tie.
+3. **Top-p**: ``t`` is the largest value ``>= t_k`` with ``mass{p >= t} >= top_p *
+   mass{p >= t_k}`` (mass: the float64 sum of ``p``); ``top_p = 1``: ``t = t_k``. The kept
+   set is ``{p >= t}``: the smallest set of the most likely tokens with that share of the
+   mass, ties again all in. A token whose ``p`` is 0 is never kept.
+4. **A uniform number per row** (:func:`uniforms`): the splitmix64 hash of ``(seed,
+   counter)``, its top 24 bits over 2**24 (a float32 in [0, 1)). It holds no state: the
+   engine passes each sequence's seed and the number of tokens it has drawn, and the same
+   pair gives the same number, bit for bit, on NumPy and CuPy. The row's place in the batch
+   is not hashed: a request draws the same tokens whatever batch it shares. The ``n``
+   samples of one request take seeds of their own (:func:`derive_seed`).
+5. **Choose**: the first kept token, in token order, whose running kept mass (float64,
+   from token 0) exceeds ``u * (kept mass)``; if rounding leaves none, the last kept token.
+   ``T = 0``: the first largest logit (``argmax``).
 
-What the tokens are masked with is the caller's: a banned token (an end token before
-``min_tokens``) is given the logit ``-inf`` beforehand; its ``p`` is 0 and it is never
-chosen while the row has a finite logit.
+A banned token (an end token before ``min_tokens``) is the caller's to give the logit
+``-inf``: its ``p`` is 0 and it is never chosen while the row has a finite logit.
 
-Exactness and its limits. The distribution sampled is the softmax of ``logits / T``
-restricted to the kept set, up to rounding: ``p`` is float32 and ``u`` has 24 bits (steps of
-2**-24), but the running sums behind the top-p cut and the choice are float64. In float32 a
-left-to-right sum over 49,152 tokens is off by 1e-5 to 2e-4 of itself (random logits), and
-depends on the order it is added in: a GPU scan adds in another order than NumPy's left-to-right
-``cumsum``, and with float32 sums the two chose different tokens (a neighbouring rank)
-on 16 of 512 rows of SmolLM2's vocabulary; in float64 the difference is ~1e-16, and only a
-true near-tie tells them apart: ``u`` within that of a boundary, or a ``p`` whose float32
-``exp`` the GPU rounds the other way sitting exactly at a top-p cut. The host sampler's sums
-are float32: on a small vocabulary it chooses the same tokens for the same ``u``, on 49,152
-tokens it takes a neighbouring rank on some rows, where its sums have drifted.
-
-The cost on a GPU is one sort of the batch's logits (CuPy's stable sort) and a few passes
-over them; ``perf/sampling_check.py`` measures it beside ``argmax_rows``.
+Exactness and its limits. Without a sort the kernel finds ``t_k`` and ``t`` by bisection on
+the bits of a float32 (for ``p >= 0`` the bit pattern read as an integer orders like the
+value), each halving one pass over the row's ``p`` held in shared memory, and stopping as
+soon as a single token lies in the range (its value is then the threshold): the exact
+thresholds of the rule above, in ~15 passes for top-p 0.9 on 49,152 random logits (~30
+when values tie at the cut). The kernel and the reference add the same float64 numbers in different
+orders (off by ~1e-16 of the mass), so they differ only at a true near-tie: a mass within
+that of ``top_p``'s target, or ``u * mass`` within that of a token's edge. The distribution
+sampled is the rule's up to ``u``'s 24 bits. ``perf/sampling_check.py`` times the kernel
+beside ``argmax_rows`` and counts the rows whose kept sets differ from the reference's.
 """
 from __future__ import annotations
+
+import functools
+import importlib.resources
+import struct
 
 import numpy as np
 
 from .. import backend
 from ..errors import ConfigError
 
-__all__ = ["sample_rows", "ranked", "keep_ranked", "kept_tokens", "uniforms", "splitmix64",
-           "derive_seed"]
+__all__ = ["sample_rows", "sample_packed", "pack_rows", "reference_rows", "probabilities",
+           "kept_tokens", "thresholds", "uniforms", "splitmix64", "derive_seed"]
 
 GOLDEN = 0x9E3779B97F4A7C15    # splitmix64's increment: 2**64 / the golden ratio, odd
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+THREADS = 1024                 # the kernel's block: one per row
 
 
 def _xp(a):
@@ -93,69 +94,162 @@ def derive_seed(seed: int, index: int) -> int:
     return int(splitmix64(x)[0])
 
 
-# ---------------------------------------------------------------- rank, filter, choose
+# ---------------------------------------------------------------- the rule, in NumPy
 
-def ranked(logits, temperature, xp=np):
-    """(order, p): each row's token ids most likely first (a stable sort: equal values in
-    token order) and their unnormalised probabilities ``exp(z - max z)``,
-    ``z = logits / temperature`` (a temperature of 0 counts as 1 here: greedy rows take the
-    first rank)."""
-    t = xp.asarray(temperature, dtype=xp.float32)
+def probabilities(logits, temperature, xp=np):
+    """float32 [rows, vocab]: ``exp(z - max z)``, ``z = logits / T`` (float32), the exp in
+    float64 rounded to float32 (a row whose ``T`` is 0 counts as ``T = 1`` here)."""
+    t = xp.asarray(temperature, dtype=xp.float64).astype(xp.float32)
     z = logits / xp.where(t > 0, t, xp.float32(1))[:, None]
-    order = xp.argsort(xp.float32(0) - z, axis=1, kind="stable")   # 0 - z: -0.0 becomes +0.0
-    zs = xp.take_along_axis(z, order, axis=1)
-    return order, xp.exp(zs - zs[:, :1])
+    d = z - z.max(axis=1, keepdims=True)
+    return xp.exp(d.astype(xp.float64)).astype(xp.float32)
 
 
-def keep_ranked(p, top_p, top_k, xp=np):
-    """bool [rows, vocab] over the ranks of :func:`ranked`: top-k's first ``k`` ranks
-    (``k = 0``: all), then the smallest prefix of those with at least ``top_p`` of their
-    mass (a rank stays when the mass before it is below that; ``top_p = 1``: all ``k``)."""
-    rows, vocab = p.shape
-    k = xp.asarray(top_k, dtype=xp.int64)
-    k = xp.where((k > 0) & (k < vocab), k, vocab)
-    in_k = xp.arange(vocab)[None, :] < k[:, None]
-    pk = xp.where(in_k, p, xp.float32(0)).astype(xp.float64)    # float64 sums: see above
-    cum = xp.cumsum(pk, axis=1)
-    tp = xp.asarray(top_p, dtype=xp.float32).astype(xp.float64)[:, None]
-    return in_k & ((cum - pk < tp * cum[:, -1:]) | (tp >= 1))
+def thresholds(p, top_p, top_k):
+    """(t, kept mass) per row of NumPy ``p``, found by sorting: the rule's steps 2 and 3."""
+    thr, mass = np.ones(len(p), np.float32), np.ones(len(p))
+    for r, row in enumerate(p):
+        vals, inverse = np.unique(row[row > 0], return_inverse=True)   # ascending
+        group = np.bincount(inverse, weights=row[row > 0].astype(np.float64))
+        vals, group = vals[::-1], group[::-1]                         # most likely first
+        count = np.cumsum(np.bincount(inverse)[::-1])                  # #{p >= vals[i]}
+        cum = np.cumsum(group)                                         # mass{p >= vals[i]}
+        k = int(top_k[r])
+        i = len(vals) - 1 if k <= 0 or k >= count[-1] else int(np.argmax(count >= k))
+        if top_p[r] < 1:
+            i = int(np.argmax(cum[:i + 1] >= float(top_p[r]) * cum[i]))
+        thr[r], mass[r] = vals[i], cum[i]
+    return thr, mass
+
+
+def reference_rows(logits, temperature, top_p, top_k, seeds, counters):
+    """The rule in NumPy, row by row with a sort (the kernel's oracle): int32 [rows]."""
+    rows = _check(logits)
+    t, tp, tk, s, c = (np.asarray(_per_row(a, rows, name, np)) for a, name in zip(
+        (temperature, top_p, top_k, seeds, counters), _NAMES))
+    p = probabilities(logits, t)
+    thr, _ = thresholds(p, tp, tk)
+    u = uniforms(s, c).astype(np.float64)
+    out = np.argmax(logits, axis=1).astype(np.int32)          # greedy rows: the first argmax
+    for r in np.flatnonzero(t > 0):
+        kept = p[r] >= thr[r]
+        cum = np.cumsum(np.where(kept, p[r], 0).astype(np.float64))
+        past = cum > u[r] * cum[-1]
+        out[r] = np.argmax(past) if past.any() else np.flatnonzero(kept)[-1]
+    return out
+
+
+# ---------------------------------------------------------------- the kernel
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    source = importlib.resources.files(__package__).joinpath("sampling.cu").read_text()
+    # no --use_fast_math: z = x / T must round as NumPy's division does
+    return backend.xp.RawModule(code=source, options=("-std=c++17",)).get_function(
+        "sample_rows_kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit() -> int:
+    cp = backend.xp
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    return int(props.get("sharedMemPerBlockOptin", 48 * 1024)) - 2048   # static arrays
+
+
+def _params(t, tp, tk, s, c, xp):
+    """The five per-row parameters as one uint64 [5, rows] array (one upload from the
+    host): T and top_p as float64 bits, then top_k, seed and counter."""
+    if xp is np or not isinstance(t, xp.ndarray):
+        t, tp, tk, s, c = (np.asarray(a) for a in (t, tp, tk, s, c))
+        host = np.stack([t.astype(np.float64).view(np.uint64),
+                         tp.astype(np.float64).view(np.uint64),
+                         tk.astype(np.uint64), s.astype(np.uint64), c.astype(np.uint64)])
+        return xp.asarray(host)
+    return xp.stack([t.astype(xp.float64).view(xp.uint64), tp.astype(xp.float64).view(
+        xp.uint64), tk.astype(xp.uint64), s.astype(xp.uint64), c.astype(xp.uint64)])
+
+
+def _launch(logits, params, details=False):
+    """Run the kernel: int32 tokens [rows] (and each row's threshold and kept mass)."""
+    cp = backend.xp
+    rows, vocab = logits.shape
+    logits = cp.ascontiguousarray(logits)
+    fn = _kernel()
+    nbytes = 4 * vocab
+    use_smem = nbytes <= _smem_limit()
+    scratch = cp.empty(1 if use_smem else rows * vocab, dtype=cp.float32)
+    if use_smem and nbytes > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = nbytes
+    out = cp.empty(rows, dtype=cp.int32)
+    thr = cp.empty(rows, dtype=cp.float32) if details else None
+    mass = cp.empty(rows, dtype=cp.float64) if details else None
+    null = np.uint64(0)
+    fn((rows,), (THREADS,), (logits, np.int32(vocab), params, np.int32(rows), scratch,
+                             np.int32(use_smem), out, null if thr is None else thr,
+                             null if mass is None else mass),
+       shared_mem=nbytes if use_smem else 0)
+    return (out, thr, mass) if details else out
+
+
+_NAMES = ("temperature", "top_p", "top_k", "seeds", "counters")
 
 
 def sample_rows(logits, temperature, top_p, top_k, seeds, counters):
     """int32 [rows]: one token per row of float32 ``logits`` [rows, vocab] (CuPy on the
-    device, or NumPy), each row with its own ``temperature`` (0: greedy), ``top_p`` in
-    (0, 1], ``top_k`` (0: off), ``seeds`` and ``counters`` (the row's draw is a function of
-    its logits, its parameters and this pair alone). The parameters are arrays of ``rows``
-    values or scalars, on the host or on the logits' device; host values are checked."""
+    device: one kernel launch; NumPy: :func:`reference_rows`), each row with its own
+    ``temperature`` (0: greedy), ``top_p`` in (0, 1], ``top_k`` (0: off), ``seeds`` and
+    ``counters`` (the row's draw is a function of its logits, its parameters and this pair
+    alone). The parameters are arrays of ``rows`` values or scalars, on the host (checked,
+    then uploaded as one array) or on the logits' device."""
     xp = _xp(logits)
+    if xp is np:
+        return reference_rows(logits, temperature, top_p, top_k, seeds, counters)
     rows = _check(logits)
-    t, tp, tk, s, c = (_per_row(a, rows, name, xp) for a, name in zip(
-        (temperature, top_p, top_k, seeds, counters),
-        ("temperature", "top_p", "top_k", "seeds", "counters")))
-    order, p = ranked(logits, t, xp)
-    keep = keep_ranked(p, tp, tk, xp)
-    cum = xp.cumsum(xp.where(keep, p, xp.float32(0)).astype(xp.float64), axis=1)
-    target = uniforms(s, c, xp).astype(xp.float64)[:, None] * cum[:, -1:]
-    last = keep.sum(axis=1) - 1           # rounding may put target at the total: stop there
-    pick = xp.minimum((cum <= target).sum(axis=1), last)
-    pick = xp.where(xp.asarray(t, dtype=xp.float32) > 0, pick, 0)   # greedy: the first rank
-    return order[xp.arange(rows), pick].astype(xp.int32)
+    args = [_per_row(a, rows, name, np if _on_host(a) else xp)
+            for a, name in zip((temperature, top_p, top_k, seeds, counters), _NAMES)]
+    return _launch(logits, _params(*args, xp=xp))
+
+
+def pack_rows(temperature, top_p, top_k, seeds, counters) -> np.ndarray:
+    """The uint64 [5, rows] array :func:`sample_packed` takes, from five lists of host
+    numbers already checked (an engine's requests): one ``struct.pack``, a few microseconds
+    for a batch where building NumPy arrays one by one and checking them takes tens."""
+    n = len(temperature)
+    raw = struct.pack(f"<{2 * n}d{3 * n}Q", *temperature, *top_p, *top_k, *seeds, *counters)
+    return np.frombuffer(raw, dtype="<u8").reshape(5, n)
+
+
+def sample_packed(logits, packed):
+    """:func:`sample_rows` for parameters packed by :func:`pack_rows` (not checked again):
+    one upload of them, one kernel launch on a GPU; :func:`reference_rows` on NumPy."""
+    _check(logits)
+    if _xp(logits) is np:
+        t, tp = packed[:2].view(np.float64)
+        return reference_rows(logits, t, tp, packed[2].astype(np.int64), packed[3],
+                              packed[4])
+    return _launch(logits, backend.xp.asarray(packed))
 
 
 def kept_tokens(logits, temperature, top_p, top_k):
-    """bool [rows, vocab] in token order: the tokens :func:`sample_rows` may choose for each
-    row (all its kept ranks; for a greedy row, its argmax alone)."""
+    """bool [rows, vocab]: the tokens :func:`sample_rows` may choose for each row (for a
+    greedy row, its argmax alone); on a GPU from the kernel's own thresholds."""
     xp = _xp(logits)
     rows = _check(logits)
-    t, tp, tk = (_per_row(a, rows, name, xp) for a, name in zip(
-        (temperature, top_p, top_k), ("temperature", "top_p", "top_k")))
-    order, p = ranked(logits, t, xp)
-    keep = keep_ranked(p, tp, tk, xp)
-    keep = xp.where(xp.asarray(t, dtype=xp.float32)[:, None] > 0, keep,
-                    xp.arange(p.shape[1])[None, :] == 0)
-    out = xp.zeros(keep.shape, dtype=bool)
-    out[xp.arange(rows)[:, None], order] = keep        # back from rank order to token order
-    return out
+    t, tp, tk = (_per_row(a, rows, name, np) for a, name in zip(
+        (temperature, top_p, top_k), _NAMES))
+    p = probabilities(logits, t, xp)
+    if xp is np:
+        thr, _ = thresholds(p, tp, tk)
+    else:
+        zeros = np.zeros(rows, np.uint64)
+        _, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)
+    keep = p >= xp.asarray(thr)[:, None]
+    greedy = xp.arange(p.shape[1])[None, :] == xp.argmax(logits, axis=1)[:, None]
+    return xp.where(xp.asarray(np.asarray(t) > 0)[:, None], keep, greedy)
+
+
+def _on_host(a) -> bool:
+    return not (backend.on_gpu and isinstance(a, backend.xp.ndarray))
 
 
 # ---------------------------------------------------------------- argument checks

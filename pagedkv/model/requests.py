@@ -28,6 +28,7 @@ class SamplingParams:
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0             # keep the k most likely tokens (ties at the k-th: all); 0: off
     n: int = 1
     beam_width: int = 1
     seed: int | None = None
@@ -42,6 +43,8 @@ class SamplingParams:
             raise ConfigError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (is_int(self.top_k) and self.top_k >= 0):
+            raise ConfigError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         if self.n > 1 and self.temperature == 0:
             raise ConfigError(f"n = {self.n} samples need a temperature > 0 "
                               "(greedy decoding would give n equal answers)")

@@ -7,6 +7,11 @@ The functions work on a batch of logits: :func:`sample` draws one token per row,
 a request's sequences after a pass: ``n`` parallel samples fork the prompt once its first
 logits are in; beams fork when a beam has several good continuations and are freed when it
 has none (:func:`pagedkv.beams.follow`).
+
+Where the logits are on a GPU, every sampled row of a step is chosen in one call of the
+batch sampler (:func:`pagedkv.kernels.sampling.sample_rows`: one kernel, one download of the
+tokens), each sequence drawing from its own counter-based stream; on NumPy each request
+calls :func:`sample` with its own generator, as the chapters show.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import numpy as np
 
 from .. import backend
 from ..beams import follow
+from ..kernels.sampling import derive_seed, pack_rows, sample_packed
 
 if TYPE_CHECKING:
     from .requests import Request, SamplingParams, Sequence
@@ -23,10 +29,11 @@ if TYPE_CHECKING:
 __all__ = ["sample", "log_softmax_topk", "best_beams", "beam_select", "Choosing"]
 
 
-def sample(logits, temperature: float, top_p: float, u) -> np.ndarray:
+def sample(logits, temperature: float, top_p: float, u, top_k: int = 0) -> np.ndarray:
     """One token per row of ``logits`` [B, vocab] (on the device). ``u`` [B] are uniform
     numbers from the request's generator (host): the token is where ``u`` falls in the
-    cumulative distribution, tokens sorted most likely first, cut at ``top_p``."""
+    cumulative distribution, tokens sorted most likely first, cut to the first ``top_k``
+    (0: all), then at ``top_p``."""
     xp = backend.xp if not isinstance(logits, np.ndarray) else np
     if temperature == 0:
         return backend.to_numpy(xp.argmax(logits, axis=1)).astype(np.int64)
@@ -34,6 +41,8 @@ def sample(logits, temperature: float, top_p: float, u) -> np.ndarray:
     p = xp.exp(z - z.max(axis=1, keepdims=True))
     order = xp.argsort(-p, axis=1)                     # most likely first
     ps = xp.take_along_axis(p, order, axis=1)
+    if 0 < top_k < ps.shape[1]:
+        ps[:, top_k:] = 0
     cum = xp.cumsum(ps, axis=1)
     ps = xp.where(cum - ps < top_p * cum[:, -1:], ps, 0)  # the nucleus (the first always stays)
     cum = xp.cumsum(ps, axis=1)
@@ -79,7 +88,17 @@ def beam_select(scores, top_lp, top_ids, width: int, stop_ids):
 
 class Choosing:
     """Each request's next tokens, from its rows of a pass's logits (a mixin of
-    :class:`~pagedkv.model.engine.Engine`)."""
+    :class:`~pagedkv.model.engine.Engine`; it uses ``self.manager``, ``self.stop_ids`` and
+    ``self._new_seq``)."""
+
+    #: Sample a step's rows in one batch call: ``None`` where the logits are on a GPU,
+    #: ``True`` always (the same code on NumPy, for tests), ``False`` never.
+    batch_sampling: bool | None = None
+
+    def _batched(self, logits) -> bool:
+        if self.batch_sampling is None:
+            return not isinstance(logits, np.ndarray)
+        return self.batch_sampling
 
     def _first_tokens(self, req: Request, logits) -> None:
         """The prompt is in the cache: choose the first token(s) from its last logits."""
@@ -98,7 +117,7 @@ class Choosing:
     def _decoded(self, reqs, logits, greedy) -> None:
         """Each request takes its rows' tokens (``greedy``: the runner's greedy choices, or
         None): the greedy fast path, a beam step or a sampling step."""
-        start = 0
+        start, batch = 0, []
         for req in reqs:
             end = start + len(req.live)
             p = req.params
@@ -110,25 +129,78 @@ class Choosing:
                     self._retire(req, seq)
             elif p.beam_width > 1:
                 self._beam_step(req, logits[start:end])
+            elif self._batched(logits):
+                batch.append((req, start))
             else:
                 self._sample_step(req, logits[start:end],
                                   None if greedy is None else greedy[start:end])
             start = end
+        if batch:
+            self._sample_batch(batch, logits)
 
     def _sample_step(self, req: Request, logits, greedy=None) -> None:
         """Greedy or sampled: each live sequence takes one token from its row (``greedy``:
         the rows' greedy tokens, when the runner chose them already)."""
         p = req.params
-        u = req.rng.random(len(req.live)) if p.temperature > 0 else None
         if p.temperature == 0 and greedy is not None and not self._masked(req, greedy):
             tokens = greedy
+        elif self._batched(logits):
+            self._sample_batch([(req, 0)], logits)
+            return
         else:
-            tokens = sample(self._mask(req, logits), p.temperature, p.top_p, u).tolist()
+            u = req.rng.random(len(req.live)) if p.temperature > 0 else None
+            tokens = sample(self._mask(req, logits), p.temperature, p.top_p, u,
+                            p.top_k).tolist()
+        self._take(req, tokens)
+
+    def _take(self, req: Request, tokens) -> None:
+        """Each live sequence appends its token; the ones that ended retire."""
         for seq, t in zip(req.live, tokens):
             seq.tokens.append(int(t))
         for seq in list(req.live):
-            if self._ends(p, seq):
+            if self._ends(req.params, seq):
                 self._retire(req, seq)
+
+    def _sample_batch(self, batch, logits) -> None:
+        """One call of the batch sampler for every live sequence of the ``(request, first
+        row)`` pairs, one download of the tokens. A sequence draws from its own stream: its
+        seed (:meth:`_stream`) and the number of tokens it has generated."""
+        rows, banned, values = [], [], []
+        for req, start in batch:
+            p = req.params
+            if p.min_tokens:
+                banned += [len(rows) + i for i in self._early(req)]
+            for i, seq in enumerate(req.live):
+                rows.append(start + i)
+                values.append((p.temperature, p.top_p, p.top_k, self._stream(req, seq),
+                               len(seq.tokens) - seq.prompt_len))
+        xp = np if isinstance(logits, np.ndarray) else backend.xp
+        if banned or rows != list(range(len(logits))):
+            logits = logits[xp.asarray(rows)]                # a copy: masking is safe
+        if banned:
+            stop = xp.asarray(sorted(self.stop_ids))
+            logits[xp.asarray(banned)[:, None], stop[None, :]] = -np.inf
+        tokens = backend.to_numpy(sample_packed(logits, pack_rows(*zip(*values)))).tolist()
+        at = 0
+        for req, _ in batch:
+            n = len(req.live)
+            self._take(req, tokens[at:at + n])
+            at += n
+
+    @staticmethod
+    def _stream(req: Request, seq: Sequence) -> int:
+        """The seed of ``seq``'s stream, fixed at its first draw: sample ``i`` of the request
+        (its place among the live sequences then) takes ``derive_seed(base, i)``, ``base``
+        the request's seed, or a number from its generator when it has none."""
+        seed = getattr(seq, "stream_seed", None)
+        if seed is None:
+            base = getattr(req, "stream_base", None)
+            if base is None:
+                base = req.params.seed if req.params.seed is not None else \
+                    int(req.rng.integers(2**63))
+                req.stream_base = base
+            seed = seq.stream_seed = derive_seed(base, req.live.index(seq))
+        return seed
 
     def _ends(self, p: SamplingParams, seq: Sequence) -> bool:
         """Does the token just chosen end the sequence: its limit, or an end token?"""

@@ -104,6 +104,7 @@ def _common(body, served, prompt, default_tokens, kind) -> Spec:
                        code="context_length_exceeded")
     temperature = _number(body, "temperature", 1.0, 0, 2)
     top_p = _number(body, "top_p", 1.0, 0, 1, lo_open=True)
+    top_k = max(0, _int(body, "top_k", 0, -1, 2**31 - 1))   # vLLM's extension; -1 or 0: off
     n = _int(body, "n", 1, 1, MAX_N)
     seed = _int(body, "seed", None, 0, 2**64 - 1)
     ignore_eos = body.get("ignore_eos", False)
@@ -133,7 +134,7 @@ def _common(body, served, prompt, default_tokens, kind) -> Spec:
     want_pool = body.get("pool", False) is True
     try:
         params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                                top_p=top_p, n=n, seed=seed, ignore_eos=ignore_eos,
+                                top_p=top_p, top_k=top_k, n=n, seed=seed, ignore_eos=ignore_eos,
                                 min_tokens=min_tokens)
     except ConfigError as exc:
         param = "n" if "samples" in str(exc) else None
