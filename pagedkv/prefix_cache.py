@@ -59,6 +59,7 @@ from .checks import cdiv, is_int, token_ids
 from .errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
 from .manager import KVCacheManager, Plan, StepPlan, need_teaching_allocator
 from .page_table import PageTable
+from .reserve import Reserving
 
 __all__ = ["block_hash", "CachedBlocks", "PrefixCachingManager", "PrefillPlan",
            "Prompt"]
@@ -276,7 +277,7 @@ class PagesLookups:
         return repr(self.pages).replace("KVCacheManager", "PrefixCachingManager", 1)
 
 
-class PrefixCachingManager(PagesLookups):
+class PrefixCachingManager(PagesLookups, Reserving):
     """Chapter 5's manager (``pages``) over a pool whose full blocks are cached by
     content. ``add``, ``append`` and ``step`` take the token ids whose K/V the new slots
     will hold, so it is not a :class:`~pagedkv.manager.KVCacheManager`; it answers the
@@ -464,7 +465,7 @@ class PrefixCachingManager(PagesLookups):
         self.pages.audit()
         bs = self.block_size
         for seq_id in self.seq_ids:
-            n, tail = self.num_tokens(seq_id), self._tail[seq_id]
+            n, tail = self._committed(seq_id), self._tail[seq_id]  # (reserve.py)
             if len(tail) != n % bs:
                 raise AuditError(f"sequence {seq_id!r} has {n} tokens of K/V but keeps "
                                  f"{len(tail)} ids of its last block")

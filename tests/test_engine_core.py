@@ -21,7 +21,7 @@ BS = 8
 
 #: Everything an engine keeps on itself: its parts, its settings, and what lasts.
 ENGINE_FIELDS = {"model", "runner", "memory", "scheduler", "stop_ids", "prefill_chunk",
-                 "audit", "on_step", "finished", "history"}
+                 "audit", "on_step", "finished", "history", "ahead"}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,7 @@ ENGINES = {
     "cache+budget": dict(prefix_caching=True, token_budget=16),
     "fast single pass": dict(runner="fast-eager", single_pass=True, token_budget=16),
     "fast bookkeeping": dict(bookkeeping="fast", max_seqs=3),
+    "overlap": dict(runner="fast-eager", overlap=True, prefix_caching=True),
 }
 
 

@@ -35,6 +35,7 @@ from ..errors import ConfigError
 from ..model.blas import single_thread_blas
 from ..model.engine import Engine
 from ..model.requests import SamplingParams
+from ..model.timeline import attach
 
 __all__ = ["make_requests", "spike_requests", "spike", "workload", "workload_arguments",
            "check_workload", "options", "serve_pagedkv", "serve_transformers", "latency",
@@ -113,7 +114,7 @@ def _engine(model, requests, args) -> Engine:
                   stop_ids=(), runner=runner, max_context=longest if fast else None,
                   bookkeeping="fast" if fast else "teaching",
                   token_budget=args.token_budget, prefill_chunk=args.token_budget or 2048,
-                  single_pass=fast and args.single_pass)
+                  single_pass=fast and args.single_pass, overlap=fast and args.overlap)
 
 
 def _warm_up(engine: Engine, vocab: int) -> None:
@@ -130,6 +131,8 @@ def _time_parts(engine: Engine) -> dict:
     each, so its work is inside); the rest of a step is the scheduler's and the
     bookkeeping's. With the single pass, a step's combined pass is counted as ``mixed``."""
     spent = {"prefill": 0.0, "decode": 0.0}
+    if engine.ahead is not None:           # overlapped decodes are not waited for here
+        del spent["decode"]
     if engine.runner.single_pass:
         spent["mixed"] = 0.0
     for part in spent:
@@ -147,9 +150,10 @@ def _time_parts(engine: Engine) -> dict:
 
 def options(**given) -> argparse.Namespace:
     """The engine's options as the command line gives them (its defaults, updated by
-    ``given``: ``token_budget``, ``max_seqs``, ``blocks``, ``runner``, ``single_pass``)."""
+    ``given``: ``token_budget``, ``max_seqs``, ``blocks``, ``runner``, ``single_pass``,
+    ``overlap``, ``trace``: steps of the timeline kept for a plot)."""
     o = argparse.Namespace(token_budget=2048, max_seqs=256, blocks=0, runner=None,
-                           single_pass=False)
+                           single_pass=False, overlap=False, trace=0)
     for key, value in given.items():
         if not hasattr(o, key):
             raise ConfigError(f"unknown option {key!r}; choose from {sorted(vars(o))}")
@@ -171,6 +175,7 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
     engine.counts.preemptions = 0
     engine.on_step = on_step
     spent = _time_parts(engine)
+    timeline = attach(engine)
     order = sorted(range(len(requests)), key=lambda i: requests[i][0])
     pending, live = deque(order), {}
     stamps = [[] for _ in requests]
@@ -208,10 +213,13 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
     wall = max(s[-1] for s in stamps if s)
     out = _summary(due, stamps, wall)
     out["seconds_in"] = {k: round(v, 4) for k, v in spent.items()}
+    out["timeline"] = timeline.summary()
+    if args.trace:                         # a few steps from the middle of the run
+        out["timeline"]["steps"] = timeline.to_json(steps // 2, args.trace)
     out.update(steps=steps, peak_blocks=peak, num_blocks=engine.manager.allocator.num_blocks,
                preemptions=engine.counts.preemptions, runner=type(engine.runner).__name__,
                token_budget=args.token_budget, max_seqs=args.max_seqs,
-               single_pass=engine.runner.single_pass)
+               single_pass=engine.runner.single_pass, overlap=engine.ahead is not None)
     return out
 
 
@@ -397,6 +405,10 @@ def table(r: dict) -> str:
     lines.append("pagedkv seconds in: " + ", ".join(
         f"{k} {v:.2f}" for k, v in p["seconds_in"].items())
         + f", the rest {p['wall_s'] - sum(p['seconds_in'].values()):.2f}")
+    tl = p["timeline"]
+    lines.append(f"pagedkv {'GPU' if backend.on_gpu else 'device calls'} idle "
+                 f"{100 * tl['device_idle_share']:.1f} % of {tl['wall_s']:.2f} s; host "
+                 f"waited {tl['host_wait_s']:.2f} s; overlap {'on' if p['overlap'] else 'off'}")
     lines.append(f"pagedkv: {p['steps']} steps, peak {p['peak_blocks']} of "
                  f"{p['num_blocks']} blocks, {p['preemptions']} preemptions, "
                  f"token budget {p['token_budget']}, {p['runner']}")
@@ -422,6 +434,11 @@ def main(argv=None) -> int:
     p.add_argument("--single-pass", action="store_true",
                    help="a step's last prefill pack and its decode rows in one forward "
                         "pass (fast runners)")
+    p.add_argument("--overlap", action="store_true",
+                   help="plan each decode step while the GPU runs the one before "
+                        "(fast runners)")
+    p.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                   help="keep this many steps of the host/GPU timeline in the JSON")
     p.add_argument("--keep-stamps", action="store_true",
                    help="keep every token's time in the JSON")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")

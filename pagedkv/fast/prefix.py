@@ -33,6 +33,7 @@ from ..errors import AuditError, ConfigError, DoubleFree, OutOfBlocks
 from ..manager import Plan
 from .. import prefix_cache
 from ..prefix_cache import PrefillPlan, Prompt, not_a_count
+from ..reserve import Reserving
 from .allocator import BlockAllocator
 from .manager import KVCacheManager
 
@@ -178,7 +179,7 @@ class CachedBlocks(prefix_cache.CachedBlocks):
                 raise AuditError(f"idle block {block} is not cached with one owner")
 
 
-class PrefixCachingManager(prefix_cache.PagesLookups):
+class PrefixCachingManager(prefix_cache.PagesLookups, Reserving):
     """The fast :class:`~pagedkv.fast.KVCacheManager` (``pages``) over a pool whose full
     blocks are cached by content: the calls of
     :class:`pagedkv.prefix_cache.PrefixCachingManager` (not a ``KVCacheManager``, for the
@@ -399,7 +400,7 @@ class PrefixCachingManager(prefix_cache.PagesLookups):
         self.pages.audit()
         bs = self.block_size
         for seq_id in self.seq_ids:
-            n, tail = self.num_tokens(seq_id), self._tail[seq_id]
+            n, tail = self._committed(seq_id), self._tail[seq_id]  # (reserve.py)
             if len(tail) != n % bs:
                 raise AuditError(f"sequence {seq_id!r} has {n} tokens of K/V but keeps "
                                  f"{len(tail)} ids of its last block")

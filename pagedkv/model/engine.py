@@ -28,12 +28,11 @@ too); :class:`~pagedkv.model.scheduling.EngineMemory` answers its questions: whe
 blocks are. The runner (:mod:`pagedkv.model.runner`) is the only part that touches device
 arrays, the swap copies included.
 
-A request asks for greedy decoding, sampling (temperature, top-p, a seeded generator), ``n``
-parallel samples (the prompt is prefilled once and forked ``n`` ways) or beam search of width
-``k`` (beams fork when a beam has several good continuations and are freed when it has none;
-copy-on-write copies the partly filled last block of a forked beam when it is first written).
-The request types are :mod:`pagedkv.model.requests`'; choosing each sequence's next token is
-:mod:`pagedkv.model.sampling`'s part of the engine.
+A request (:mod:`pagedkv.model.requests`) asks for greedy decoding, sampling, ``n``
+parallel samples (the prompt prefilled once, forked ``n`` ways) or beam search (beams fork
+and are freed; copy-on-write copies a forked beam's partly filled last block when it is
+first written); :mod:`pagedkv.model.sampling` chooses the tokens. With ``overlap=True``
+the host plans a step while the GPU runs the one before (:mod:`pagedkv.model.overlap`).
 """
 from __future__ import annotations
 
@@ -47,8 +46,9 @@ from ..checks import cdiv, positive_int, token_ids
 from ..errors import AuditError, ConfigError
 from ..prefix_cache import PrefixCachingManager
 from .llama import Batch, Llama, PagedKV
+from .overlap import Ahead, Overlapping
 from ..scheduler import Schedule, Scheduler
-from .requests import Request, SamplingParams, Sequence
+from .requests import Request, SamplingParams
 from .runner import make_runner
 from .sampling import Choosing
 from .scheduling import EngineMemory
@@ -58,7 +58,7 @@ __all__ = ["Engine"]
 NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 
 
-class Engine(Choosing):
+class Engine(Overlapping, Choosing):
     """Requests in, answers out, on one model and one paged cache.
 
     Admission takes a request when the blocks it needs to start are free; when a decode step
@@ -71,9 +71,9 @@ class Engine(Choosing):
     chapter 10 shows, ``"fast"`` the fused kernels, static buffers and (on a GPU) CUDA graphs
     of :class:`~pagedkv.model.runner.FastRunner` for decode steps, whose page tables hold
     ``max_context`` tokens (default: the model's context); ``"fast-eager"`` the same kernels
-    without graphs; ``single_pass`` (fast runners) runs a step's last prefill pass and its
-    decode as one pass. ``bookkeeping`` is ``"teaching"`` (the core the chapters show) or
-    ``"fast"`` (:mod:`pagedkv.fast`: the same plans, batched in NumPy).
+    without graphs; ``single_pass`` runs a step's last prefill pass and its decode as one
+    pass, ``overlap`` plans a step while the GPU runs the last (both: fast runners only).
+    ``bookkeeping``: ``"teaching"`` (the chapters' core) or ``"fast"`` (:mod:`pagedkv.fast`).
 
     Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s (``self.scheduler``), over
     the pool's :class:`~pagedkv.model.scheduling.EngineMemory` (``self.memory``). With
@@ -96,7 +96,7 @@ class Engine(Choosing):
                  watermark: float = 0.01, runner: str = "plain",
                  max_context: int | None = None, bookkeeping: str = "teaching",
                  token_budget: int | None = None, chunked_prefill: bool = True,
-                 single_pass: bool = False):
+                 single_pass: bool = False, overlap: bool = False):
         self.model = model
         if bookkeeping == "teaching":
             classes, cache_cls = {}, PrefixCachingManager
@@ -123,6 +123,9 @@ class Engine(Choosing):
         self.memory.running = self.scheduler.running
         self.finished: list = []
         self.history = deque(maxlen=self.history_steps)  # a dict per step: the pool
+        self.ahead = Ahead() if overlap else None          # the overlapped loop's state
+        if overlap:
+            self._check_overlap()
 
     # the scheduler's queues: waiting (first come, first served), running (in admission
     # order: the last is preempted first), swapped (the oldest preemption first)
@@ -162,12 +165,13 @@ class Engine(Choosing):
         self.waiting.append(req)
         return req
 
-    def _new_seq(self, tokens, prompt_len, score=0.0, parent=None) -> Sequence:
-        return self.memory.new_seq(tokens, prompt_len, score, parent)
+    _new_seq = property(lambda self: self.memory.new_seq)   # (for Choosing)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        """Schedule, execute, update (the module's text)."""
+        """Schedule, execute, update (the module's text); overlapped, ahead of the GPU."""
+        if self.ahead is not None:
+            return self._step_ahead()
         schedule = self.scheduler.prefill()
         self.execute(schedule)
         self.update(schedule)

@@ -26,6 +26,7 @@ where they have it, the greedy token of each row as host ints (``None`` otherwis
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -128,6 +129,16 @@ class _Views(NamedTuple):
     query_start: object = None   # a prefill's: where each sequence's rows begin
 
 
+class Launched(NamedTuple):
+    """A decode step started by :meth:`FastRunner.launch`: its rows, the event after its
+    download (None on NumPy: already done), the host array its greedy tokens arrive in,
+    and the device logits of its bucket."""
+    rows: int
+    done: object
+    greedy: np.ndarray
+    logits: object
+
+
 class FastRunner(PrefillPasses, ModelRunner):
     """Decode steps through fused kernels, static buffers and (on a GPU) one CUDA graph per
     bucket; prefills through the same layers, eagerly, with the paged prefill kernel.
@@ -169,8 +180,12 @@ class FastRunner(PrefillPasses, ModelRunner):
         self.buckets = buckets(self.max_batch) if self.on_gpu else None
         B, dt = self.max_batch, model.dtype
         # the step's small inputs, side by side in one int32 array so that one copy uploads
-        # them: tokens, positions, slots, seq_lens (B each), then the page tables [B, width]
-        self._meta_host = _host_int32(4 * B + B * self.width, pinned=self.on_gpu)
+        # them: tokens, positions, slots, seq_lens, and for a launch that follows another the
+        # row of the last launch whose greedy token each row takes (B each), then the page
+        # tables [B, width]. Two host copies: one is staged while the other's upload waits.
+        self._meta_hosts = [_host_int32(5 * B + B * self.width, pinned=self.on_gpu)
+                            for _ in range(2)]
+        self._meta_host = self._meta_hosts[0]
         self._meta = xp.zeros(self._meta_host.shape, np.int32)
         nq, nk = c.heads * c.head_dim, c.kv_heads * c.head_dim
         self._full = dict(
@@ -179,7 +194,7 @@ class FastRunner(PrefillPasses, ModelRunner):
             attn=xp.zeros((B, c.heads, c.head_dim), dt),
             gate_up=xp.zeros((B, 2 * c.ffn), dt), act=xp.zeros((B, c.ffn), dt),
             logits=xp.zeros((B, c.vocab_size), np.float32), greedy=xp.zeros(B, np.int32))
-        self._greedy_host = _host_int32(B, pinned=self.on_gpu)
+        self._greedy_hosts = [_host_int32(B, pinned=self.on_gpu) for _ in range(2)]
         # Every weight as [out, in] (each output's numbers in one row: what the few-row
         # multiply reads best); a copy on the GPU, a view of the model's on NumPy.
         t = (lambda w: xp.ascontiguousarray(w.T)) if self.on_gpu else (lambda w: w.T)
@@ -190,6 +205,8 @@ class FastRunner(PrefillPasses, ModelRunner):
         self._prefill_full: dict = {}
         self.stream = xp.cuda.Stream(non_blocking=True) if self.on_gpu else None
         self.steps = 0
+        self._uploaded = [None, None]   # per host buffer: an event after its last upload
+        self._last: Launched | None = None
 
     # ------------------------------------------------------------------ buffers
     def _bucket(self, n: int) -> int:
@@ -206,7 +223,7 @@ class FastRunner(PrefillPasses, ModelRunner):
             return v
         B, m = self.max_batch, self._meta
         cut = {name: a[:b] for name, a in self._full.items()}
-        tables = m[4 * B:4 * B + b * self.width].reshape(b, self.width)
+        tables = m[5 * B:5 * B + b * self.width].reshape(b, self.width)
         plan = scratch = None
         c = self.model.config
         if self.on_gpu:
@@ -218,22 +235,25 @@ class FastRunner(PrefillPasses, ModelRunner):
                                     **cut)
         return v
 
-    def _stage(self, batch: Batch, b: int) -> int:
+    def _stage(self, batch: Batch, b: int, follow=None) -> int:
         """Fill the host copy of the inputs for bucket ``b`` (padding rows: slot -1, length
-        0) and return how many of its int32 numbers the device needs."""
+        0; ``follow``: the rows of the last launch whose tokens are the inputs) and return
+        how many of its int32 numbers the device needs."""
         n, B, W, h = len(batch.tokens), self.max_batch, self.width, self._meta_host
         tables = batch.block_tables
         if tables.shape[1] > W:
             raise ConfigError(f"a page table of {tables.shape[1]} blocks is wider than "
                               f"max_context allows ({W} blocks)")
-        for i, a in enumerate((batch.tokens, batch.positions, batch.slots, batch.seq_lens)):
+        src = np.zeros(n, np.int32) if follow is None else follow
+        for i, a in enumerate((batch.tokens, batch.positions, batch.slots, batch.seq_lens,
+                               src)):
             h[i * B:i * B + n] = a
             h[i * B + n:i * B + b] = -1 if i == 2 else 0
-        t = h[4 * B:4 * B + b * W].reshape(b, W)
+        t = h[5 * B:5 * B + b * W].reshape(b, W)
         t[:n, :tables.shape[1]] = tables
         t[:n, tables.shape[1]:] = 0
         t[n:] = 0
-        return 4 * B + b * W
+        return 5 * B + b * W
 
     # ------------------------------------------------------------------ one decode pass
     def _pass(self, v: _Views) -> None:
@@ -291,30 +311,70 @@ class FastRunner(PrefillPasses, ModelRunner):
     def decode(self, batch: Batch):
         """One decode step: copy-on-write copies, then the pass (replayed from its graph on a
         GPU); one upload of the inputs, one download of the greedy tokens."""
+        return self.land(self.launch(batch))
+
+    def launch(self, batch: Batch, follow=None) -> Launched:
+        """Start a decode step and return without waiting for it (:meth:`land` waits).
+        With ``follow`` (int32, one per row), row ``i``'s input token is the greedy token of
+        row ``follow[i]`` of the launch before, taken on the device: ``batch.tokens`` is
+        not read, and the host need not know those tokens yet."""
         n = len(batch.tokens)
         if not batch.is_decode:
             raise ConfigError("FastRunner.decode takes one new token per sequence")
+        if follow is not None and (len(follow) != n or self._last is None
+                                   or not 0 <= min(follow, default=0) <= max(
+                                       follow, default=0) < self._last.rows):
+            raise ConfigError("follow: one row of the launch before for each row")
         b = self._bucket(n)
         v = self._view(b)
-        count = self._stage(batch, b)              # checks first: a refused step changes nothing
-        self.kv.copy(batch.copies)                 # plain path, on the default stream
+        slot = self.steps % 2                      # this launch's host buffers
+        self._meta_host = self._meta_hosts[slot]
+        if self._uploaded[slot] is not None:       # the upload that read them is done
+            self._uploaded[slot].synchronize()
+        count = self._stage(batch, b, follow)      # checks first: a refused step changes nothing
         self.steps += 1
+        greedy_host = self._greedy_hosts[slot]
         if not self.on_gpu:
+            self.kv.copy(batch.copies)
             self._meta[:count] = self._meta_host[:count]
+            if follow is not None:
+                self._follow(v, n)
             self._pass(v)
-            return v.logits[:n], v.greedy[:n].tolist()
+            greedy_host[:n] = v.greedy[:n]
+            self._last = Launched(n, None, greedy_host, v.logits)
+            return self._last
         xp, s = self.model.xp, self.stream
         s.wait_event(xp.cuda.Stream.null.record())  # after the prefill and copies before it
         self._meta.data.copy_from_host_async(self._meta_host.ctypes.data, 4 * count, s)
-        with s:
+        self._uploaded[slot] = s.record()
+        with s:                                    # in stream order: after the step before
+            self.kv.copy(batch.copies)             # copy-on-write copies (plain path)
+            if follow is not None:
+                self._follow(v, n)
             if self.graphs:
                 graph = self._graphs.get(b) or self._capture(b, v)
                 graph.launch(s)
             else:
                 self._pass(v)
-        v.greedy.data.copy_to_host_async(self._greedy_host.ctypes.data, 4 * b, s)
-        s.synchronize()
-        return v.logits[:n], self._greedy_host[:n].tolist()
+        v.greedy.data.copy_to_host_async(greedy_host.ctypes.data, 4 * b, s)
+        self._last = Launched(n, s.record(), greedy_host, v.logits)
+        return self._last
+
+    def land(self, launched: Launched):
+        """Wait for a launch; its logits (valid until the next launch) and greedy tokens."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        return launched.logits[:launched.rows], launched.greedy[:launched.rows].tolist()
+
+    def _follow(self, v: _Views, n: int) -> None:
+        """The inputs of a following launch: each row's token, the greedy token of the
+        row of the launch before that ``src`` names (on the device, before the pass)."""
+        src = self._meta[4 * self.max_batch:4 * self.max_batch + n]
+        greedy = self._full["greedy"]
+        if not self.on_gpu:
+            v.tokens[:n] = greedy[src]
+        else:
+            _gather_kernel()(greedy, src, v.tokens[:n])
 
     def _capture(self, b: int, v: _Views):
         """Run the pass once (compiles kernels, lets cuBLAS choose), then capture it."""
@@ -376,6 +436,14 @@ def graph_node_count(graph) -> int | None:
     except Exception:
         pass
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_kernel():
+    """``tokens[i] = greedy[src[i]]`` on the device (one small launch)."""
+    import cupy
+    return cupy.ElementwiseKernel("raw int32 greedy, int32 src", "int32 token",
+                                  "token = greedy[src]", "pagedkv_follow")
 
 
 def _host_int32(n: int, pinned: bool) -> np.ndarray:
