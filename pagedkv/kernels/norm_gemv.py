@@ -29,7 +29,7 @@ from ._common import (DTYPE_CODES, check_int32, dtype_name, is_cupy, kernel, loa
 from .fused import FUSED_SOURCE, rms_norm, rope_write_kv, silu_mul
 from .gemm import GEMV_MAX_ROWS
 
-__all__ = ["norm_gemv", "norm_gemv_rope", "NORM_GEMV_SOURCE"]
+__all__ = ["norm_gemv", "norm_gemv_rope", "norm_gemv_rope_unfused", "NORM_GEMV_SOURCE"]
 
 NORM_GEMV_SOURCE = "norm_gemv.cu"
 NORM_MAX_K = 1024          # the longest row norm_gemv.cu keeps in shared memory
@@ -89,7 +89,8 @@ def norm_gemv_rope(x, norm_w, eps: float, w, qkv, positions, slots, cos, sin, q_
     d = q_out.shape[-1]
     n = (q_heads + 2 * kv_heads) * d
     if (tuple(w.shape) != (n, k) or tuple(qkv.shape) != (m, n)
-            or tuple(q_out.shape) != (m, q_heads, d) or tuple(cache.shape[3:]) != (kv_heads, d)
+            or tuple(q_out.shape) != (m, q_heads, d)
+            or tuple(cache.shape[3:]) != (kv_heads, d)
             or d % 2 or tuple(cos.shape[1:]) != (d // 2,) or cos.shape != sin.shape):
         raise ConfigError(f"norm_gemv_rope shapes do not fit: x {tuple(x.shape)}, w "
                           f"{tuple(w.shape)}, qkv {tuple(qkv.shape)}, q_out "
@@ -99,11 +100,13 @@ def norm_gemv_rope(x, norm_w, eps: float, w, qkv, positions, slots, cos, sin, q_
     for a, what in ((positions, "positions"), (slots, "slots")):
         check_int32(a, what, 1)
         if a.shape[0] != m:
-            raise ConfigError(f"{what} must have one entry per row of x ({m}), got {a.shape[0]}")
+            raise ConfigError(f"{what} must have one entry per row of x ({m}), got "
+                              f"{a.shape[0]}")
     if not is_cupy(x):
-        norm_gemv(x, norm_w, eps, w, qkv)
-        return rope_write_kv(qkv, positions, slots, cos, sin, q_out, cache, q_heads, kv_heads)
-    _check_launch(x, (x, "x"), (w, "w"), (qkv, "qkv"), (q_out, "q_out"), (cache, "cache"))
+        return norm_gemv_rope_unfused(x, norm_w, eps, w, qkv, positions, slots, cos, sin,
+                                      q_out, cache, q_heads, kv_heads)
+    _check_launch(x, (x, "x"), (w, "w"), (qkv, "qkv"), (q_out, "q_out"), (cache, "cache"),
+                  (positions, "positions"), (slots, "slots"), (cos, "cos"), (sin, "sin"))
     dts = {dtype_name(a) for a in (x, norm_w, w, qkv, q_out, cache)}
     if len(dts) > 1 or str(cos.dtype) != "float32" or str(sin.dtype) != "float32":
         raise ConfigError(f"norm_gemv_rope takes x, norm_w, w, qkv, q_out and cache in one "
@@ -115,3 +118,11 @@ def norm_gemv_rope(x, norm_w, eps: float, w, qkv, positions, slots, cos, sin, q_
         np.int32(k), np.int32(q_heads), np.int32(kv_heads), np.int32(d),
         np.int32(cache.shape[2])))
     return q_out
+
+
+def norm_gemv_rope_unfused(x, norm_w, eps: float, w, qkv, positions, slots, cos, sin, q_out,
+                           cache, q_heads: int, kv_heads: int):
+    """What :func:`norm_gemv_rope` replaces, as two calls (two launches on a GPU): its
+    NumPy path, and what the GPU kernel is tested and timed against."""
+    norm_gemv(x, norm_w, eps, w, qkv)
+    return rope_write_kv(qkv, positions, slots, cos, sin, q_out, cache, q_heads, kv_heads)
