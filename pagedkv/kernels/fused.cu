@@ -41,6 +41,16 @@ __device__ float cta_sum(float v) {
     return total;
 }
 
+// One pair's rotation by the angle whose cosine and sine are c, s. Each product is rounded
+// before the sum (NumPy's arithmetic): left to itself the compiler fuses one product of each
+// line into the addition (an FMA), and which one depends on the code around it, so two
+// kernels that rotate the same numbers could disagree in the last bit.
+__device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1,
+                                            float& y2) {
+    y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 // rms_norm: out[r] = round(x[r] / sqrt(mean(x[r]^2) + eps)) * w, one CTA per row r.
 //   x, out [rows][width];  w [width]
 template <int DT>
@@ -58,16 +68,6 @@ __global__ void rms_norm(const void* __restrict__ x, const void* __restrict__ w,
         float n = Num<DT>::load(x, base + i) * r;
         Num<DT>::store(out, base + i, round_to<DT>(n) * Num<DT>::load(w, i));
     }
-}
-
-// One pair's rotation by the angle whose cosine and sine are c, s. Each product is rounded
-// before the sum (NumPy's arithmetic): left to itself the compiler fuses one product of each
-// line into the addition (an FMA), and which one depends on the code around it, so two
-// kernels that rotate the same numbers could disagree in the last bit.
-__device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1,
-                                            float& y2) {
-    y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
-    y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
 }
 
 // rope_write_kv: after the fused q|k|v projection, rotate q and k by their token's position
