@@ -1,22 +1,31 @@
-"""RMSNorm (and SwiGLU) folded into the projection after it: ``norm_gemv`` against the plain
-model's own methods on NumPy, the fast runner folding or not against the plain runner, and on
-a GPU the one kernel against the launches it replaces (rms_norm, the few-row multiply,
-silu_mul), bit for bit, and three graph nodes fewer a layer.
+"""RMSNorm (and SwiGLU) folded into the projection after it, and RoPE with the K/V write
+folded into the q|k|v one: ``norm_gemv`` against the plain model's own methods on NumPy,
+``norm_gemv_rope`` against ``norm_gemv`` then ``rope_write_kv`` (on NumPy, and its CUDA source
+on the CPU emulator), the fast runner folding or not against the plain runner, and on a GPU
+each kernel against the launches it replaces, bit for bit, and four graph nodes fewer a
+layer.
 
 Seeds are fixed in the code.
 """
+import importlib.util
+import pathlib
+import shutil
+
 import numpy as np
 import pytest
 
 from pagedkv import backend
 from pagedkv.errors import ConfigError
-from pagedkv.kernels.fused import rms_norm, silu_mul
+from pagedkv.kernels.fused import rms_norm, rope_write_kv, silu_mul
 from pagedkv.kernels.gemm import gemm
-from pagedkv.kernels.norm_gemv import norm_gemv
+from pagedkv.kernels.norm_gemv import norm_gemv, norm_gemv_rope, norm_gemv_rope_unfused
 from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
+from pagedkv.model import runner as runner_module
 from pagedkv.model.engine import Engine
 from pagedkv.model.requests import SamplingParams
 from pagedkv.model.runner import FastRunner
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
                    ffn=128, rope_base=10000.0, context=512)
@@ -55,6 +64,91 @@ def test_refuses_shapes_that_do_not_fit(tiny):
     for bad in (-1, 9, True):
         with pytest.raises(ConfigError, match="fold_rows must be"):
             FastRunner(tiny, PagedKV.for_model(tiny, 8, 16), fold_rows=bad)
+
+
+def _rope_case(xp, dtype, m, block_size, seed, *, hidden=64, heads=4, kv_heads=2, d=64,
+               num_blocks=5, context=100):
+    """Arguments of a ``norm_gemv_rope`` call on ``xp`` arrays: random x, weights and
+    positions; distinct slots, the last row padding (slot -1) when there are two or more;
+    NaN in qkv, q_out and the cache (what is never written stays NaN)."""
+    rng = np.random.default_rng(seed)
+    n = (heads + 2 * kv_heads) * d
+    rand = lambda *s: xp.asarray(rng.standard_normal(s).astype(dtype))  # noqa: E731
+    x, norm_w, w = rand(m, hidden), rand(hidden), rand(n, hidden) * 0.05
+    positions = rng.integers(0, context, m).astype(np.int32)
+    slots = rng.permutation(num_blocks * block_size)[:m].astype(np.int32)
+    slots[-1] = -1 if m > 1 else slots[-1]
+    ang = np.outer(np.arange(context), 10000.0 ** (-np.arange(0, d, 2) / d))
+    cos, sin = (xp.asarray(f(ang).astype(np.float32)) for f in (np.cos, np.sin))
+    nan = lambda *s: xp.full(s, np.nan, dtype)  # noqa: E731
+    return (x, norm_w, 1e-5, w, nan(m, n), xp.asarray(positions), xp.asarray(slots), cos, sin,
+            nan(m, heads, d), nan(num_blocks, 2, block_size, kv_heads, d), heads, kv_heads)
+
+
+def _fresh(case):
+    """The same call with its own copies of the three outputs (qkv, q_out, cache)."""
+    case = list(case)
+    for i in (4, 9, 10):
+        case[i] = case[i].copy()
+    return case
+
+
+def _bits(a):
+    return a.view(f"uint{8 * a.dtype.itemsize}")
+
+
+@pytest.mark.parametrize("m,block_size", [(1, 16), (2, 32), (8, 16)])
+def test_rope_reference_is_norm_gemv_then_rope_write_kv(m, block_size):
+    """The NumPy path: norm_gemv into qkv, then rope_write_kv from it, every output's bits
+    (NaN where nothing is written: the padding row's slot, the blocks no slot names)."""
+    case = _rope_case(np, np.float32, m, block_size, SEED + m)
+    got, want = _fresh(case), _fresh(case)
+    assert norm_gemv_rope(*got) is got[9]
+    x, norm_w, eps, w, qkv, positions, slots, cos, sin, q_out, cache, heads, kvh = want
+    norm_gemv(x, norm_w, eps, w, qkv)
+    rope_write_kv(qkv, positions, slots, cos, sin, q_out, cache, heads, kvh)
+    for i in (4, 9, 10):
+        assert np.array_equal(_bits(got[i]), _bits(want[i])), i
+    written = ~np.isnan(got[10]).all(axis=(3, 4))                # [block, k|v, offset]
+    assert written.sum() == 2 * int((slots >= 0).sum())
+
+
+def test_rope_refuses_shapes_that_do_not_fit():
+    case = _rope_case(np, np.float32, 2, 16, SEED)
+    bad = {4: case[4][:, :-2], 9: case[9][:, :3], 10: case[10][..., :32],
+           7: case[7][:, :16], 3: case[3][:-1]}
+    for i, a in bad.items():
+        call = list(case)
+        call[i] = a
+        with pytest.raises(ConfigError, match="shapes do not fit"):
+            norm_gemv_rope(*call)
+    for i, a, what in ((5, case[5].astype(np.int64), "int32"),
+                       (6, case[6][:1], "one entry per row")):
+        call = list(case)
+        call[i] = a
+        with pytest.raises(ConfigError, match=what):
+            norm_gemv_rope(*call)
+
+
+def _emulator():
+    spec = importlib.util.spec_from_file_location("emulate", ROOT / "perf/emu/emulate.py")
+    emulate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulate)
+    return emulate
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++")
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("m,block_size", [(1, 16), (2, 32), (8, 16), (8, 32)])
+def test_rope_kernel_source_on_the_cpu_emulator(dtype, m, block_size):
+    """norm_gemv_rope_t's own CUDA source, run on the CPU (perf/emu): the same bits as
+    norm_gemv_t then rope_write_kv emulated alike, and within rounding of the NumPy
+    reference, NaN exactly where the reference wrote nothing. A GPU run checks the rest
+    (the device's own arithmetic)."""
+    seed = SEED + 10 * m + block_size
+    same, err = _emulator().check_norm_gemv_rope(dtype, m, block_size, seed)
+    assert same, seed
+    assert err < (1e-2 if dtype == np.float16 else 1e-5), (seed, err)
 
 
 def _tokens(model, runner, prompts, fold_rows=None):
@@ -104,13 +198,39 @@ def test_kernel_equals_the_launches_it_replaces(dtype, m):
 
 
 @gpu
-def test_folding_takes_three_nodes_a_layer_out_of_the_graph():
-    """At batch 1 the graph loses both norms and SwiGLU in every layer and the final norm:
-    3 x layers + 1 nodes fewer; float16 tokens equal to the unfolded graph's."""
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_rope_kernel_equals_the_launches_it_replaces(dtype, m, block_size):
+    """norm_gemv then rope_write_kv on the GPU: the same bits in qkv, q_out and the cache
+    (NaN-poisoned first: a padding row and unnamed slots stay so). SmolLM2's shapes: 576
+    in, 9 q heads and 3 kv heads of 64."""
+    case = _rope_case(backend.xp, dtype, m, block_size, SEED + m, hidden=576, heads=9,
+                      kv_heads=3, num_blocks=7, context=2048)
+    got, want = _fresh(case), _fresh(case)
+    norm_gemv_rope(*got)
+    norm_gemv_rope_unfused(*want)
+    for i, what in ((4, "qkv"), (9, "q_out"), (10, "cache")):
+        assert backend.xp.array_equal(_bits(got[i]), _bits(want[i])), what
+    slots = case[6].get()
+    written = ~backend.xp.isnan(got[10]).all(axis=(3, 4))
+    assert int(written.sum()) == 2 * int((slots >= 0).sum())
+
+
+@gpu
+def test_folding_takes_four_nodes_a_layer_out_of_the_graph(monkeypatch):
+    """At batch 1 the graph loses both norms, SwiGLU and RoPE's launch in every layer and the
+    final norm: 4 x layers + 1 nodes fewer than unfolded, of which one a layer is RoPE's (the
+    runner with the two launches norm_gemv_rope replaces); float16 tokens equal in all
+    three."""
     m16 = Llama(TINY, random_weights(TINY, SEED), dtype=np.float16)
     prompt = [np.random.default_rng(SEED).integers(1, TINY.vocab_size, 12).tolist()]
     runs = [_tokens(m16, "fast", prompt, fold_rows=f) for f in (0, 1)]
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "norm_gemv_rope", norm_gemv_rope_unfused)
+        runs.append(_tokens(m16, "fast", prompt, fold_rows=1))
     nodes = [e.runner.graph_nodes(1) for e, _ in runs]
     assert None not in nodes, nodes
-    assert nodes[0] - nodes[1] == 3 * TINY.layers + 1, nodes
-    assert runs[0][1] == runs[1][1]
+    assert nodes[0] - nodes[1] == 4 * TINY.layers + 1, nodes
+    assert nodes[2] - nodes[1] == TINY.layers, nodes
+    assert runs[0][1] == runs[1][1] == runs[2][1]

@@ -41,6 +41,16 @@ __device__ float cta_sum(float v) {
     return total;
 }
 
+// One pair's rotation by the angle whose cosine and sine are c, s. Each product is rounded
+// before the sum (NumPy's arithmetic): left to itself the compiler fuses one product of each
+// line into the addition (an FMA), and which one depends on the code around it, so two
+// kernels that rotate the same numbers could disagree in the last bit.
+__device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1,
+                                            float& y2) {
+    y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 // rms_norm: out[r] = round(x[r] / sqrt(mean(x[r]^2) + eps)) * w, one CTA per row r.
 //   x, out [rows][width];  w [width]
 template <int DT>
@@ -89,7 +99,8 @@ __global__ void rope_write_kv(const void* __restrict__ qkv, const int* __restric
         const float c = cos_t[(long long)pos * half + i], s = sin_t[(long long)pos * half + i];
         const long long a = in + (long long)head * D + i;
         const float x1 = Num<DT>::load(qkv, a), x2 = Num<DT>::load(qkv, a + half);
-        const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+        float y1, y2;
+        rotate_pair(x1, x2, c, s, y1, y2);
         if (head < q_heads) {
             const long long o = ((long long)t * q_heads + head) * D + i;
             Num<DT>::store(q_out, o, y1);

@@ -16,15 +16,17 @@
 //
 //   x [M][K] DT   norm_w [K] DT   w [N or 2N][K] DT   out [M][N] DT_OUT (float32: logits)
 // K (the model's width) must be a multiple of 8 and at most NORM_MAX_K; launch with 256
-// threads (the reduction's). Needs fused.cu before it (round_to, cta_sum).
+// threads (the reduction's). Needs fused.cu before it (round_to, cta_sum, rotate_pair).
+//
+// norm_gemv_rope_t, further down, is the q|k|v projection with `rope_write_kv` folded in.
 // =======================================================================================
 #define NORM_MAX_K 1024
 
-template <int DT, int DT_OUT, int M, int SILU>
-__global__ void norm_gemv_t(const void* __restrict__ x, const void* __restrict__ norm_w,
-                            float eps, const void* __restrict__ w, void* __restrict__ out,
-                            int K, int N) {
-    __shared__ float xs[M * NORM_MAX_K];              // the M normalized rows, widened once
+// Step 1, in every CTA: the M rows of x, normalized, into shared memory as float32 (xs).
+template <int DT, int M>
+__device__ __forceinline__ void normalize_rows(const void* __restrict__ x,
+                                               const void* __restrict__ norm_w, float eps,
+                                               int K, float* xs) {
     for (int m = 0; m < M; ++m) {
         const long long base = (long long)m * K;
         float ss = 0.f;
@@ -39,46 +41,130 @@ __global__ void norm_gemv_t(const void* __restrict__ x, const void* __restrict__
         }
     }
     __syncthreads();
+}
+
+// Step 2, one warp: the dot products of w's row n (and, with TWO, of its row n2) with the M
+// rows of xs. Each lane adds up its 16-byte chunks of the row, then shuffles add the 32
+// lanes' sums: every lane ends with all of acc[0..M) (and acc2).
+template <int DT, int M, bool TWO>
+__device__ __forceinline__ void warp_dots(const void* __restrict__ w, long long n,
+                                          long long n2, int K, const float* xs, float* acc,
+                                          float* acc2) {
     const int lane = threadIdx.x % 32;
-    const int warps = gridDim.x * (blockDim.x / 32);
     const int vecs = K / Num<DT>::PER_VEC;       // 16-byte chunks in a row of w
-    for (int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; n < N; n += warps) {
-        const uint4* row = reinterpret_cast<const uint4*>(w) + (long long)n * vecs;
-        const uint4* row2 = row + (long long)N * vecs;       // up's row n (SILU only)
-        float acc[M], acc2[M];
-        #pragma unroll
-        for (int m = 0; m < M; ++m) acc[m] = acc2[m] = 0.f;
-        for (int v = lane; v < vecs; v += 32) {
-            float wf[Num<DT>::PER_VEC], wf2[Num<DT>::PER_VEC];
-            Num<DT>::unpack(row[v], wf);
-            if (SILU) Num<DT>::unpack(row2[v], wf2);
-            #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float* xm = xs + m * K + v * Num<DT>::PER_VEC;
-                #pragma unroll
-                for (int j = 0; j < Num<DT>::PER_VEC; ++j) {
-                    acc[m] += wf[j] * xm[j];
-                    if (SILU) acc2[m] += wf2[j] * xm[j];
-                }
-            }
-        }
+    const uint4* row = reinterpret_cast<const uint4*>(w) + n * vecs;
+    const uint4* row2 = reinterpret_cast<const uint4*>(w) + n2 * vecs;
+    #pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = acc2[m] = 0.f;
+    for (int v = lane; v < vecs; v += 32) {
+        float wf[Num<DT>::PER_VEC], wf2[Num<DT>::PER_VEC];
+        Num<DT>::unpack(row[v], wf);
+        if (TWO) Num<DT>::unpack(row2[v], wf2);
         #pragma unroll
         for (int m = 0; m < M; ++m) {
+            const float* xm = xs + m * K + v * Num<DT>::PER_VEC;
             #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
-                if (SILU) acc2[m] += __shfl_xor_sync(0xffffffffu, acc2[m], o);
+            for (int j = 0; j < Num<DT>::PER_VEC; ++j) {
+                acc[m] += wf[j] * xm[j];
+                if (TWO) acc2[m] += wf2[j] * xm[j];
             }
         }
+    }
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+            if (TWO) acc2[m] += __shfl_xor_sync(0xffffffffu, acc2[m], o);
+        }
+    }
+}
+
+// acc[lane] for lane < M: registers cannot be indexed by a variable, so each is compared.
+template <int M>
+__device__ __forceinline__ float pick(const float* acc, int lane) {
+    float a = acc[0];
+    #pragma unroll
+    for (int m = 1; m < M; ++m) if (lane == m) a = acc[m];
+    return a;
+}
+
+template <int DT, int DT_OUT, int M, int SILU>
+__global__ void norm_gemv_t(const void* __restrict__ x, const void* __restrict__ norm_w,
+                            float eps, const void* __restrict__ w, void* __restrict__ out,
+                            int K, int N) {
+    __shared__ float xs[M * NORM_MAX_K];              // the M normalized rows, widened once
+    normalize_rows<DT, M>(x, norm_w, eps, K, xs);
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    for (int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; n < N; n += warps) {
+        float acc[M], acc2[M];                   // row n of w (gate's with SILU), up's row
+        warp_dots<DT, M, SILU>(w, n, (long long)N + n, K, xs, acc, acc2);
         if (lane < M) {                          // lane m writes row m's number
-            float a = acc[0], u = acc2[0];
-            #pragma unroll
-            for (int m = 1; m < M; ++m) if (lane == m) { a = acc[m]; u = acc2[m]; }
+            float a = pick<M>(acc, lane);
             if (SILU) {
                 const float g = round_to<DT>(a);
-                a = g / (1.f + __expf(-g)) * round_to<DT>(u);
+                a = g / (1.f + __expf(-g)) * round_to<DT>(pick<M>(acc2, lane));
             }
             Num<DT_OUT>::store(out, (long long)lane * N + n, a);
         }
+    }
+}
+
+// =======================================================================================
+// norm_gemv_rope_t: norm_gemv_t's q|k|v projection (into qkv) and fused.cu's rope_write_kv
+// on its output, in one launch. Rotary embeddings turn each head's numbers i and i + D/2 by
+// one angle, so a warp here computes those two outputs together (work item p = one pair:
+// head p / (D/2), number i = p % (D/2)): it rounds both to DT, exactly what rope_write_kv
+// would read back from qkv, turns them in float32 as rope_write_kv does (rotate_pair; q's
+// and k's heads: v's pairs pass as they are), and stores them where rope_write_kv would:
+// q into q_out, k and v into the cache at the row's slot (a negative slot is padding:
+// nothing written). It writes qkv too, so every output of the two launches is made here.
+//   x [M][K]  norm_w [K]  w [(q_heads + 2 kv_heads) D][K]  qkv [M][(q_heads + 2 kv_heads) D]
+//   positions, slots [M] int32   cos_t, sin_t [context][D / 2] float32
+//   q_out [M][q_heads][D]        cache [num_blocks][2][block_size][kv_heads][D]
+// Every array but the int32 and float32 ones is DT; 256 threads, as norm_gemv_t.
+// =======================================================================================
+template <int DT, int M>
+__global__ void norm_gemv_rope_t(const void* __restrict__ x, const void* __restrict__ norm_w,
+                                 float eps, const void* __restrict__ w,
+                                 void* __restrict__ qkv, const int* __restrict__ positions,
+                                 const int* __restrict__ slots,
+                                 const float* __restrict__ cos_t,
+                                 const float* __restrict__ sin_t, void* __restrict__ q_out,
+                                 void* __restrict__ cache, int K, int q_heads, int kv_heads,
+                                 int D, int block_size) {
+    __shared__ float xs[M * NORM_MAX_K];
+    normalize_rows<DT, M>(x, norm_w, eps, K, xs);
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    const int half = D / 2, N = (q_heads + 2 * kv_heads) * D;
+    for (int p = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; p < N / 2; p += warps) {
+        const int head = p / half, i = p % half, n = head * D + i;  // q, then k, then v heads
+        float acc[M], acc2[M];                   // outputs n and n + D/2 of each row
+        warp_dots<DT, M, true>(w, n, n + half, K, xs, acc, acc2);
+        if (lane >= M) continue;                 // lane m does row m's pair
+        const float x1 = round_to<DT>(pick<M>(acc, lane));
+        const float x2 = round_to<DT>(pick<M>(acc2, lane));
+        Num<DT>::store(qkv, (long long)lane * N + n, x1);
+        Num<DT>::store(qkv, (long long)lane * N + n + half, x2);
+        float y1 = x1, y2 = x2;                  // what goes on: turned, for q and k
+        if (head < q_heads + kv_heads) {
+            const long long at = (long long)positions[lane] * half + i;
+            rotate_pair(x1, x2, cos_t[at], sin_t[at], y1, y2);
+        }
+        void* dst = q_out;                       // and where number i of the head goes
+        long long o = ((long long)lane * q_heads + head) * D + i;
+        if (head >= q_heads) {                   // k or v: the cache, at the row's slot
+            const int slot = slots[lane];
+            if (slot < 0) continue;              // a padding row
+            const int kv = head >= q_heads + kv_heads;          // 0: k, 1: v
+            const int h = head - q_heads - kv * kv_heads;      // its kv head
+            dst = cache;
+            o = ((((long long)(slot / block_size) * 2 + kv) * block_size + slot % block_size)
+                 * kv_heads + h) * D + i;
+        }
+        Num<DT>::store(dst, o, y1);
+        Num<DT>::store(dst, o + half, y2);
     }
 }

@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..kernels import decode_plan, paged_decode_attention
 from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mul
 from ..kernels.gemm import GEMV_AUTO_ROWS, GEMV_MAX_ROWS, gemm
-from ..kernels.norm_gemv import norm_gemv
+from ..kernels.norm_gemv import norm_gemv, norm_gemv_rope
 from ..swap import copy_to_device, copy_to_host
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward
 from .prefill_pass import GRAPH_PREFILL_TOKENS, PrefillPasses
@@ -276,13 +276,14 @@ class FastRunner(PrefillPasses, ModelRunner):
         embed(v.tokens, m.embedding, out=v.x)
         for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(m.layers,
                                                                        self.weights)):
-            if fold:
-                norm_gemv(v.x, layer.attn_norm, eps, wqkv, v.qkv)
+            if fold:                               # norm, q|k|v, RoPE, K/V write: one launch
+                norm_gemv_rope(v.x, layer.attn_norm, eps, wqkv, v.qkv, v.positions, v.slots,
+                               m.cos, m.sin, v.q, kv.layers[i], c.heads, c.kv_heads)
             else:
                 rms_norm(v.x, layer.attn_norm, eps, out=v.h)
                 gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
-            rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q, kv.layers[i],
-                          c.heads, c.kv_heads)
+                rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q, kv.layers[i],
+                              c.heads, c.kv_heads)
             attend(v, i)
             gemm(v.attn.reshape(b, -1), wo, v.x, accumulate=True, transpose_b=True, method=g)  # x += o
             if fold:                               # norm, gate|up and SwiGLU: one launch

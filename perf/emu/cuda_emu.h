@@ -23,6 +23,7 @@
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
+#define __shared__ static     // one CTA at a time: a function's statics are shared memory
 
 struct uint4 { unsigned x, y, z, w; };
 struct emu_dim3 { unsigned x, y, z; };
@@ -127,6 +128,11 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 using std::exp2f;
 using std::fmaxf;
 using std::fmaf;
+inline float __expf(float x) { return std::exp(x); }
+// Each a single rounded operation: x86-64's SSE arithmetic, which g++ does not fuse here.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 
 #define NEG_INF __uint_as_float(0xff800000u)
 
@@ -140,14 +146,35 @@ inline uint16_t float_to_bf16(float f) {          // round to nearest even, NaN 
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 template <int DT> struct Num;
-template <> struct Num<1> {
+template <> struct Num<0> {
+    static constexpr int PER_VEC = 4;
+    static float load(const void* p, long long i) { return ((const float*)p)[i]; }
+    static void unpack(const uint4& r, float* f) {
+        f[0] = __uint_as_float(r.x); f[1] = __uint_as_float(r.y);
+        f[2] = __uint_as_float(r.z); f[3] = __uint_as_float(r.w);
+    }
+    static void store(void* p, long long i, float x) { ((float*)p)[i] = x; }
+};
+// load and unpack (common.cuh's) for the 16-bit types, from widen
+template <class N16> struct Num16 {
+    static constexpr int PER_VEC = 8;
+    static float load(const void* p, long long i) { return N16::widen(((const uint16_t*)p)[i]); }
+    static void unpack(const uint4& r, float* f) {
+        const unsigned w[4] = {r.x, r.y, r.z, r.w};
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = N16::widen((uint16_t)(w[i] & 0xffff));
+            f[2 * i + 1] = N16::widen((uint16_t)(w[i] >> 16));
+        }
+    }
+};
+template <> struct Num<1> : Num16<Num<1>> {
     static float widen(uint16_t h) { return half_to_float(h); }
     static void store(void* p, long long i, float x) { ((uint16_t*)p)[i] = float_to_half(x); }
     static unsigned pack2(float lo, float hi) {
         return (unsigned)float_to_half(lo) | ((unsigned)float_to_half(hi) << 16);
     }
 };
-template <> struct Num<2> {
+template <> struct Num<2> : Num16<Num<2>> {
     static float widen(uint16_t h) { return bf16_to_float(h); }
     static void store(void* p, long long i, float x) { ((uint16_t*)p)[i] = float_to_bf16(x); }
     static unsigned pack2(float lo, float hi) {

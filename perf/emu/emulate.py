@@ -2,7 +2,8 @@
 fragment indexing, masking and page-table reads without a GPU. Slow; for small cases.
 
     python perf/emu/emulate.py     # the decode tensor-core kernel (a check of the emulator:
-                                   # the GPU tests pass it), then the prefill kernel
+                                   # the GPU tests pass it), then the prefill kernel, then
+                                   # norm_gemv_rope against the two launches it replaces
 
 Each template instance is compiled once with g++ into a small program (cached in
 $PAGEDKV_EMU_DIR, default /tmp/pagedkv_emu) that reads the arrays from a file, runs every CTA
@@ -64,12 +65,13 @@ int main(int argc, char** argv) {
 """
 
 
-def binary(source: str, name: str, main: str) -> pathlib.Path:
+def binary(source: str, name: str, main: str, text: str | None = None) -> pathlib.Path:
     """The emulator program for one template instance of a kernel in ``source`` (a file of
-    pagedkv/kernels), with ``main`` as its driver (built if needed)."""
-    src = (ROOT / "pagedkv/kernels" / source).read_text()
+    pagedkv/kernels, or ``text`` where the kernel needs more than one), with ``main`` as its
+    driver (built if needed)."""
+    src = (ROOT / "pagedkv/kernels" / source).read_text() if text is None else text
     decl = "extern __shared__ __align__(16) unsigned short smem[];"
-    assert decl in src
+    assert decl in src or text is not None
     src = src.replace(decl, "unsigned short* smem = (unsigned short*)emu::smem;")
     text = ('#include "cuda_emu.h"\n' + src + f"\n#define KERNEL {name}\n" + main)
     key = hashlib.sha1((text + (HERE / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
@@ -183,6 +185,136 @@ def run_decode_tc(q, cache, tables, seq_lens, *, scale=None):
     return out.view(q.dtype) if q.dtype != np.uint16 else out
 
 
+NORM_ROPE_MAIN = r"""
+#include <cstdio>
+#include <vector>
+int main(int argc, char** argv) {
+    FILE* f = std::fopen(argv[1], "rb");
+    int hdr[10];
+    float eps;
+    if (std::fread(hdr, 4, 10, f) != 10 || std::fread(&eps, 4, 1, f) != 1) return 2;
+    const int K = hdr[0], q_heads = hdr[1], kv_heads = hdr[2], D = hdr[3], BS = hdr[4],
+              num_blocks = hdr[5], context = hdr[6], grid_x = hdr[7], fused = hdr[8];
+    const size_t es = EMU_DT == 0 ? 4 : 2, N = (size_t)(q_heads + 2 * kv_heads) * D;
+    const size_t sizes[6] = {EMU_M * K * es, K * es, N * K * es, EMU_M * N * es,
+                             EMU_M * q_heads * D * es,
+                             (size_t)num_blocks * 2 * BS * kv_heads * D * es};
+    std::vector<uint4> a[6];                       // x, norm_w, w, qkv, q_out, cache
+    std::vector<int> pos(EMU_M), slots(EMU_M);
+    std::vector<float> cs((size_t)context * D / 2), sn(cs.size());
+    auto rd = [&](void* p, size_t n) { if (n && std::fread(p, 1, n, f) != n) std::exit(2); };
+    for (int i = 0; i < 6; ++i) {
+        a[i].resize((sizes[i] + 15) / 16);
+        rd(a[i].data(), sizes[i]);
+    }
+    rd(pos.data(), EMU_M * 4); rd(slots.data(), EMU_M * 4);
+    rd(cs.data(), cs.size() * 4); rd(sn.data(), sn.size() * 4);
+    std::fclose(f);
+    void *x = a[0].data(), *nw = a[1].data(), *w = a[2].data(), *qkv = a[3].data(),
+         *q = a[4].data(), *cache = a[5].data();
+    gridDim = {(unsigned)grid_x, 1u, 1u};
+    for (int b = 0; b < grid_x; ++b)
+        emu::run_cta(b, 0, 256, 0, [&] {
+            if (fused)
+                norm_gemv_rope_t<EMU_DT, EMU_M>(x, nw, eps, w, qkv, pos.data(), slots.data(),
+                                                cs.data(), sn.data(), q, cache, K, q_heads,
+                                                kv_heads, D, BS);
+            else
+                norm_gemv_t<EMU_DT, EMU_DT, EMU_M, 0>(x, nw, eps, w, qkv, K, (int)N);
+        });
+    if (!fused) {                                  // then rope_write_kv, one CTA a row
+        gridDim = {(unsigned)EMU_M, 1u, 1u};
+        for (int t = 0; t < EMU_M; ++t)
+            emu::run_cta(t, 0, 128, 0, [&] {
+                rope_write_kv<EMU_DT>(qkv, pos.data(), slots.data(), cs.data(), sn.data(), q,
+                                      cache, q_heads, kv_heads, D, BS);
+            });
+    }
+    FILE* g = std::fopen(argv[2], "wb");
+    for (int i = 3; i < 6; ++i) std::fwrite(a[i].data(), 1, sizes[i], g);
+    std::fclose(g);
+    return 0;
+}
+"""
+
+
+def run_norm_gemv_rope(x, norm_w, eps, w, qkv, positions, slots, cos, sin, q_out, cache,
+                       q_heads, kv_heads, *, fused=True, grid_x=3):
+    """norm_gemv_rope's kernel (``fused``) or the two launches it replaces (norm_gemv_t,
+    then rope_write_kv), emulated on ``grid_x`` CTAs: returns new (qkv, q_out, cache),
+    the given ones as they start (their poison shows what is never written)."""
+    from pagedkv.kernels.norm_gemv import NORM_GEMV_SOURCE
+    from pagedkv.kernels.fused import FUSED_SOURCE
+    dt, m = DTYPE_CODES[dtype_name(x)], x.shape[0]
+    kernels = ROOT / "pagedkv/kernels"
+    text = "\n".join((kernels / f).read_text() for f in (FUSED_SOURCE, NORM_GEMV_SOURCE))
+    main = f"#define EMU_DT {dt}\n#define EMU_M {m}\n" + NORM_ROPE_MAIN
+    exe = binary(NORM_GEMV_SOURCE, f"norm_gemv_rope_t<{dt}, {m}>", main, text=text)
+    num_blocks, _, bs, _, d = cache.shape
+    hdr = np.array([x.shape[1], q_heads, kv_heads, d, bs, num_blocks, cos.shape[0], grid_x,
+                    int(fused), 0], np.int32)
+    outs = (qkv, q_out, cache)
+    arrays = [hdr, np.float32(eps), x, norm_w, w, *outs, np.asarray(positions, np.int32),
+              np.asarray(slots, np.int32), np.asarray(cos, np.float32),
+              np.asarray(sin, np.float32)]
+    with tempfile.TemporaryDirectory() as tmp:
+        inp, outp = pathlib.Path(tmp) / "in", pathlib.Path(tmp) / "out"
+        with open(inp, "wb") as f:
+            for a in arrays:
+                f.write(np.ascontiguousarray(a).tobytes())
+        r = subprocess.run([str(exe), str(inp), str(outp)], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"emulator failed ({r.returncode}): {r.stderr[-2000:]}")
+        raw = np.fromfile(outp, np.uint8)
+    got, at = [], 0
+    for a in outs:
+        got.append(raw[at:at + a.nbytes].view(a.dtype).reshape(a.shape))
+        at += a.nbytes
+    return tuple(got)
+
+
+def norm_rope_case(rng, dtype, m, block_size, *, hidden=64, q_heads=4, kv_heads=2, d=32,
+                   num_blocks=6, context=64):
+    """A small norm_gemv_rope call: random x, weights and positions; distinct slots, the
+    last row padding (slot -1) when there are two rows or more; NaN in qkv, q_out, cache."""
+    n = (q_heads + 2 * kv_heads) * d
+    rand = lambda *s: rng.standard_normal(s).astype(dtype)  # noqa: E731
+    x, norm_w, w = rand(m, hidden), rand(hidden), rand(n, hidden) * 0.2
+    positions = rng.integers(0, context, m).astype(np.int32)
+    slots = rng.permutation(num_blocks * block_size)[:m].astype(np.int32)
+    if m > 1:
+        slots[-1] = -1
+    ang = np.outer(np.arange(context), 10000.0 ** (-np.arange(0, d, 2) / d))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    qkv = np.full((m, n), np.nan, dtype)
+    q_out = np.full((m, q_heads, d), np.nan, dtype)
+    cache = np.full((num_blocks, 2, block_size, kv_heads, d), np.nan, dtype)
+    return (x, norm_w, 1e-5, w, qkv, positions, slots, cos, sin, q_out, cache, q_heads,
+            kv_heads)
+
+
+def check_norm_gemv_rope(dtype, m, block_size, seed):
+    """The emulated kernel against the emulated pair (the same bits, NaN poison included)
+    and against the NumPy reference (norm_gemv then rope_write_kv): within rounding, and
+    NaN exactly where the reference wrote nothing. Returns (bits equal, max rel err)."""
+    from pagedkv.kernels.norm_gemv import norm_gemv_rope
+    case = norm_rope_case(np.random.default_rng(seed), dtype, m, block_size)
+    fused = run_norm_gemv_rope(*case)
+    pair = run_norm_gemv_rope(*case, fused=False)
+    same = all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
+               for a, b in zip(fused, pair))
+    ref = [a.copy() for a in (case[4], case[9], case[10])]
+    norm_gemv_rope(*case[:4], ref[0], *case[5:9], ref[1], ref[2], *case[11:])
+    err = 0.0
+    for got, want in zip(fused, ref):
+        if not np.array_equal(np.isnan(got), np.isnan(want)):
+            return same, np.inf
+        ok = ~np.isnan(want)
+        g, r = got[ok].astype(np.float64), want[ok].astype(np.float64)
+        err = max(err, float(np.abs(g - r).max() / np.abs(r).max()))
+    return same, err
+
+
 def main():
     sys.path.insert(0, str(ROOT / "tests"))
     from _attn_cases import make_case, make_prefill_case, rel_err, rng_for
@@ -209,6 +341,14 @@ def main():
         bad += not ok
         print(f"{dtype} d{d} g{g} bs{bs} qlens {qlens} prefix {prefix}: rel err {err:.2e}"
               f"{'' if ok else '  FAIL'}")
+    for i, (dtype, m, bs) in enumerate([(np.float16, 1, 16), (np.float16, 2, 32),
+                                        (np.float32, 8, 16), (np.float16, 8, 32)]):
+        same, err = check_norm_gemv_rope(dtype, m, bs, seed=7100 + i)
+        ok = same and err < (1e-2 if dtype == np.float16 else 1e-5)
+        bad += not ok
+        print(f"norm_gemv_rope {np.dtype(dtype).name} rows {m} bs{bs} (seed {7100 + i}): "
+              f"{'the same bits as' if same else 'NOT the bits of'} norm_gemv_t + "
+              f"rope_write_kv, rel err {err:.2e} to NumPy{'' if ok else '  FAIL'}")
     return 1 if bad else 0
 
 
