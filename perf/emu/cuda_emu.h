@@ -140,8 +140,13 @@ inline uint16_t float_to_bf16(float f) {          // round to nearest even, NaN 
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 template <int DT> struct Num;
+template <> struct Num<0> {
+    static float load(const void* p, long long i) { return ((const float*)p)[i]; }
+    static void store(void* p, long long i, float x) { ((float*)p)[i] = x; }
+};
 template <> struct Num<1> {
     static float widen(uint16_t h) { return half_to_float(h); }
+    static float load(const void* p, long long i) { return widen(((const uint16_t*)p)[i]); }
     static void store(void* p, long long i, float x) { ((uint16_t*)p)[i] = float_to_half(x); }
     static unsigned pack2(float lo, float hi) {
         return (unsigned)float_to_half(lo) | ((unsigned)float_to_half(hi) << 16);
@@ -149,6 +154,7 @@ template <> struct Num<1> {
 };
 template <> struct Num<2> {
     static float widen(uint16_t h) { return bf16_to_float(h); }
+    static float load(const void* p, long long i) { return widen(((const uint16_t*)p)[i]); }
     static void store(void* p, long long i, float x) { ((uint16_t*)p)[i] = float_to_bf16(x); }
     static unsigned pack2(float lo, float hi) {
         return (unsigned)float_to_bf16(lo) | ((unsigned)float_to_bf16(hi) << 16);
