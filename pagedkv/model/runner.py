@@ -36,6 +36,7 @@ from ..kernels import decode_plan, paged_decode_attention
 from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mul
 from ..kernels.gemm import GEMV_AUTO_ROWS, GEMV_MAX_ROWS, gemm
 from ..kernels.norm_gemv import norm_gemv
+from ..kernels.q4_gemv import Q4_MAX_ROWS, q4_gemv
 from ..swap import copy_to_device, copy_to_host
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward
 from .prefill_pass import GRAPH_PREFILL_TOKENS, PrefillPasses
@@ -139,14 +140,23 @@ class FastRunner(PrefillPasses, ModelRunner):
     a pass of at most ``fold_rows`` rows (default: where ``"auto"`` takes the few-row kernel,
     one row) folds each RMSNorm, and SwiGLU, into the projection after it (``norm_gemv``);
     ``single_pass`` offers the engine :meth:`mixed`: a step's prefill and decode rows in one
-    pass.
+    pass. ``weights="q4_1"`` reads the four projections of a decode pass of at most 8 rows
+    from ``q4_blocks``, the GGUF's Q4_1 blocks (:func:`~pagedkv.model.gguf.load_q4_blocks`),
+    through :func:`~pagedkv.kernels.q4_gemv.q4_gemv`; larger passes, eager prefills and the
+    output head read fp16 (``fold_rows`` then defaults to 0: a folded pass reads q|k|v and
+    gate|up in fp16).
     """
 
     def __init__(self, model: Llama, kv: PagedKV, *, max_batch: int = 256,
                  max_context: int | None = None, graphs: bool | None = None,
                  gemm_method: str = "auto", single_pass: bool = False,
-                 fold_rows: int | None = None):
+                 fold_rows: int | None = None, weights: str = "fp16",
+                 q4_blocks: dict | None = None):
         super().__init__(model, kv)
+        if weights not in ("fp16", "q4_1") or (weights == "q4_1") != (q4_blocks is not None):
+            raise ConfigError(f"weights must be 'fp16' or 'q4_1' (with q4_blocks, and only "
+                              f"then), got {weights!r} with"
+                              f"{'' if q4_blocks is not None else 'out'} q4_blocks")
         self.single_pass = bool(single_pass)
         c, xp = model.config, model.xp
         self.on_gpu = xp is not np
@@ -156,7 +166,7 @@ class FastRunner(PrefillPasses, ModelRunner):
         self.max_batch = positive_int(max_batch, "max_batch")
         self.gemm_method = gemm_method             # see pagedkv.kernels.gemm.gemm
         if fold_rows is None:
-            fold_rows = GEMV_AUTO_ROWS if gemm_method == "auto" else 0
+            fold_rows = GEMV_AUTO_ROWS if gemm_method == "auto" and weights == "fp16" else 0
         if isinstance(fold_rows, bool) or not 0 <= fold_rows <= GEMV_MAX_ROWS:
             raise ConfigError(f"fold_rows must be 0 to {GEMV_MAX_ROWS}, got {fold_rows!r}")
         self.fold_rows = fold_rows
@@ -185,6 +195,7 @@ class FastRunner(PrefillPasses, ModelRunner):
         t = (lambda w: xp.ascontiguousarray(w.T)) if self.on_gpu else (lambda w: w.T)
         self.weights = [(t(layer.wqkv), t(layer.wo), t(layer.w_gate_up), t(layer.w_down))
                         for layer in model.layers]
+        self.q4 = None if q4_blocks is None else _upload_q4(q4_blocks, self.weights, xp)
         self._views: dict[int, _Views] = {}
         self._graphs: dict[int, object] = {}
         self._prefill_full: dict = {}
@@ -251,27 +262,38 @@ class FastRunner(PrefillPasses, ModelRunner):
         """Every layer over the rows of ``v``: the residual stream ``v.x`` from the token
         embeddings to the last layer's output; ``attend(v, layer)`` fills ``v.attn``."""
         m, kv, c = self.model, self.kv, self.model.config
-        eps, b, g = c.norm_eps, v.x.shape[0], self.gemm_method
+        eps, b = c.norm_eps, v.x.shape[0]
         fold = self._folds(v)                      # each norm inside the projection after it
+        # weights="q4_1": a decode pass (not an eager prefill) of at most 8 rows reads blocks
+        q4_pass = self.q4 is not None and b <= Q4_MAX_ROWS and v.query_start is None
         embed(v.tokens, m.embedding, out=v.x)
         for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(m.layers,
                                                                        self.weights)):
+            q4 = self.q4[i] if q4_pass else (None,) * 4     # Q4_1 blocks, or fp16
             if fold:
                 norm_gemv(v.x, layer.attn_norm, eps, wqkv, v.qkv)
             else:
                 rms_norm(v.x, layer.attn_norm, eps, out=v.h)
-                gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
+                self._project(v.h, wqkv, q4[0], v.qkv)
             rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q, kv.layers[i],
                           c.heads, c.kv_heads)
             attend(v, i)
-            gemm(v.attn.reshape(b, -1), wo, v.x, accumulate=True, transpose_b=True, method=g)  # x += o
+            self._project(v.attn.reshape(b, -1), wo, q4[1], v.x, accumulate=True)  # x += o
             if fold:                               # norm, gate|up and SwiGLU: one launch
                 norm_gemv(v.x, layer.mlp_norm, eps, w_gate_up, v.act, silu=True)
             else:
                 rms_norm(v.x, layer.mlp_norm, eps, out=v.h)
-                gemm(v.h, w_gate_up, v.gate_up, transpose_b=True, method=g)
+                self._project(v.h, w_gate_up, q4[2], v.gate_up)
                 silu_mul(v.gate_up, out=v.act)
-            gemm(v.act, w_down, v.x, accumulate=True, transpose_b=True, method=g)   # x += mlp(x)
+            self._project(v.act, w_down, q4[3], v.x, accumulate=True)   # x += mlp(x)
+
+    def _project(self, a, w, q4, out, accumulate: bool = False) -> None:
+        """``out = a @ w.T`` (``+=`` with ``accumulate``): from the Q4_1 blocks ``q4`` when
+        given (:func:`~pagedkv.kernels.q4_gemv.q4_gemv`), else from the fp16 ``w``."""
+        if q4 is not None:
+            q4_gemv(a, q4, out, accumulate=accumulate)
+        else:
+            gemm(a, w, out, accumulate=accumulate, transpose_b=True, method=self.gemm_method)
 
     def _folds(self, v: _Views) -> bool:
         """Does this pass fold each RMSNorm (and SwiGLU) into the projection after it
@@ -376,6 +398,23 @@ def graph_node_count(graph) -> int | None:
     except Exception:
         pass
     return None
+
+
+def _upload_q4(blocks: dict, weights: list, xp) -> list:
+    """Each layer's Q4_1 blocks (Q4_PROJECTIONS order, as the fp16 ``weights``) on the
+    device, checked against the fp16 weights' shapes."""
+    from ..kernels.q4_gemv import BLOCK_BYTES, QK
+    from .gguf import Q4_PROJECTIONS
+    out = []
+    for i, fp16 in enumerate(weights):
+        layer = tuple(xp.asarray(blocks[f"{i}.{name}"]) for name in Q4_PROJECTIONS)
+        for name, q, w in zip(Q4_PROJECTIONS, layer, fp16):
+            if q.dtype != np.uint8 or q.shape != (w.shape[0], w.shape[1] // QK * BLOCK_BYTES):
+                raise ConfigError(f"q4_blocks['{i}.{name}'] must be uint8 [{w.shape[0]}, "
+                                  f"{w.shape[1] // QK * BLOCK_BYTES}] for the [{w.shape[0]}, "
+                                  f"{w.shape[1]}] weight, got {q.dtype} {tuple(q.shape)}")
+        out.append(layer)
+    return out
 
 
 def _host_int32(n: int, pinned: bool) -> np.ndarray:
