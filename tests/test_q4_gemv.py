@@ -17,7 +17,7 @@ from pagedkv import backend
 from pagedkv.errors import ConfigError
 from pagedkv.kernels.q4_gemv import (BLOCK_BYTES, QK, dequantize_q4_1, q4_gemv,
                                      quantize_q4_1)
-from pagedkv.model import Llama, LlamaConfig, ModelNotFound, random_weights
+from pagedkv.model import Llama, LlamaConfig, ModelNotFound, PagedKV, random_weights
 from pagedkv.model.engine import Engine
 from pagedkv.model.gguf import Q4_PROJECTIONS, load_gguf, quantize_weights_q4
 from pagedkv.model.requests import SamplingParams
@@ -314,7 +314,6 @@ def test_runner_reads_the_blocks_it_is_given(tiny_q4):
 
 
 def test_runner_refuses_bad_q4_options(tiny_q4):
-    from pagedkv.model import PagedKV
     model, blocks = tiny_q4
     kv = PagedKV.for_model(model, 8, 16)
     with pytest.raises(ConfigError, match="with q4_blocks"):
@@ -327,3 +326,22 @@ def test_runner_refuses_bad_q4_options(tiny_q4):
     with pytest.raises(ConfigError, match=r"q4_blocks\['1.wo'\]"):
         FastRunner(model, kv, weights="q4_1", q4_blocks=bad)
     assert FastRunner(model, kv, weights="q4_1", q4_blocks=blocks).fold_rows == 0
+
+
+@gpu
+def test_runner_q4_on_the_gpu_equals_fp16_on_the_dequantized_model():
+    """The same in float32 on the GPU (weights exact in both runs, so the tokens must be the
+    same), through captured graphs: q4_gemv takes gemm's place one for one, so the graph of
+    a bucket has as many nodes as the unfolded fp16 one."""
+    blocks, deq = quantize_weights_q4(random_weights(TINY, SEED), TINY.layers)
+    model = Llama(TINY, deq, dtype=np.float32)
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(1, TINY.vocab_size, int(n)).tolist() for n in (3, 20, 9)]
+    fp16 = _generate(model, prompts, fold_rows=0)
+    q4 = _generate(model, prompts, weights="q4_1", q4_blocks=blocks)
+    assert q4 == fp16, SEED
+    runners = [FastRunner(model, PagedKV.for_model(model, 16, 16), max_batch=4, **options)
+               for options in (dict(fold_rows=0), dict(weights="q4_1", q4_blocks=blocks))]
+    assert [r.capture_all() for r in runners] == [3, 3]
+    nodes = [[r.graph_nodes(b) for b in r.buckets] for r in runners]
+    assert None not in nodes[0] and nodes[0] == nodes[1], nodes
