@@ -15,6 +15,7 @@ import pytest
 
 from pagedkv import backend
 from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import BF16
 from pagedkv.kernels.q4_gemv import (BLOCK_BYTES, QK, dequantize_q4_1, q4_gemv,
                                      quantize_q4_1)
 from pagedkv.model import Llama, LlamaConfig, ModelNotFound, PagedKV, random_weights
@@ -176,7 +177,7 @@ def _emulate():
 
 
 def _run_emulated(x, blocks, out, accumulate, rows_per_warp, grid):
-    codes = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+    codes = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}
     name = f"q4_gemv<{codes[x.dtype]}, {codes[out.dtype]}, {x.shape[0]}, {rows_per_warp}>"
     emu = _emulate()
     hdr = np.array([x.shape[0], x.shape[1], blocks.shape[0], int(accumulate), grid,
@@ -192,12 +193,17 @@ def _run_emulated(x, blocks, out, accumulate, rows_per_warp, grid):
     (np.float16, np.float32, 3, 2, 37, 96, 1),      # a last warp with one row of its two
     (np.float32, np.float32, 8, 4, 33, 32, 1),      # R * M = 32 lanes write
     (np.float16, np.float16, 5, 4, 70, 288, 2),     # 36 quarter blocks: lanes wrap around
+    ("bfloat16", np.float32, 2, 1, 9, 64, 1),       # bf16 x, float32 out
 ])
 def test_the_cuda_source_on_the_cpu_emulator(dtype, out_dtype, m, r, n, k, grid):
     """The kernel's own source (perf/emu): block and nibble indexing, the rows a warp owns,
     the lane that writes each output, accumulate. fp32 sums of at most 288 products are
     within 1e-5 of the float64 reference; an fp16 output is further rounded (2^-11)."""
     rng = np.random.default_rng(SEED + 7 * m + n)
+    if dtype == "bfloat16":
+        if BF16 is None:
+            pytest.skip("bfloat16 on NumPy needs ml_dtypes")
+        dtype = BF16
     blocks = _random_blocks(rng, n, k)
     x = rng.standard_normal((m, k)).astype(dtype)
     tol = 2.0 ** -10 if out_dtype == np.float16 else 1e-5
