@@ -114,7 +114,7 @@ def _decode_batch(b: int, context: int = 100, block_size: int = 16):
     tables = np.arange(b * width, dtype=np.int32).reshape(b, width)
     ones = np.ones(b, np.int32)
     slots = tables[:, context // block_size] * block_size + context % block_size
-    return Batch(ones * 100, ones * context, slots.astype(np.int32), ones, ones * (context + 1),
+    return Batch(ones, ones * context, slots.astype(np.int32), ones, ones * (context + 1),
                  tables, np.zeros((0, 2), np.int32))
 
 
