@@ -4,8 +4,9 @@ SmolLM2's GGUF file stores every projection as Q4_1: blocks of 32 weights, each 
 bytes -- an fp16 scale ``d``, an fp16 minimum ``m`` and 16 bytes of 4-bit integers ``q``
 (byte ``j`` holds ``q[j]`` in its low four bits, ``q[j + 16]`` in its high four) -- and
 weight ``i`` is ``d * q[i] + m``. A decode step of a few rows reads each weight once, so
-reading these 5 bits a weight instead of fp16's 16 cuts the bytes a step must move to
-about a third. :func:`q4_gemv` computes ``x @ dequantize(blocks).T`` without ever writing
+reading these 5 bits a weight instead of fp16's 16 cuts the projections' bytes to 31%
+(SmolLM2-135M: 212 MB to 66 MB a step; the fp16 embedding, 57 MB, is still read by the
+output head). :func:`q4_gemv` computes ``x @ dequantize(blocks).T`` without ever writing
 the fp16 matrix: the kernel (``q4_gemv.cu``) widens each block in registers.
 
 A matrix ``[N, K]`` is held as uint8 ``[N, K / 32 * 20]``: row ``n``'s blocks one after
