@@ -13,6 +13,13 @@
 // (8 weights each: one 32-bit word of d and m, one of q), and the lanes' sums are added with
 // shuffles. With R > 1 each number of x read from shared memory serves R rows of w.
 //
+// Shared memory is 32 banks of 4 bytes; a warp's read is one pass only if its 32 lanes hit
+// 32 different banks. Quarter s of block b needs x[32b + 4s + j] and x[32b + 16 + 4s + j]
+// (j = 0..3); stored in order, the lanes of a warp would hit only 4 banks (8 passes). So x
+// is stored by place in the quarter: number t (0..7) of quarter u = 4b + s sits at
+// t * K/8 + u, and the 32 lanes, reading quarters u..u+31 at one t, read 32 consecutive
+// floats: one pass.
+//
 //   x [M][K] DT     w [N][K/32] blocks of 20 bytes     out [M][N] DT_OUT
 //   accumulate: out += x @ w^T, else out = x @ w^T.    K a multiple of 32.
 // Shared memory (dynamic): M * K float32.
@@ -24,12 +31,17 @@ __global__ void q4_gemv(const void* __restrict__ x, const unsigned* __restrict__
                         void* __restrict__ out, int K, int N, int accumulate) {
     extern __shared__ __align__(16) unsigned short smem[];
     float* xs = reinterpret_cast<float*>(smem);       // the M rows of x, widened once
-    for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = Num<DT>::load(x, i);
+    const int quarters = K / 8;                       // 8 weights each
+    for (int i = threadIdx.x; i < M * K; i += blockDim.x) {
+        const int m = i / K, c = i % K, b = c / 32, r = c % 32;  // row m, block b, number r
+        const int u = 4 * b + (r % 16) / 4;           // its quarter block
+        const int t = (r / 16) * 4 + r % 4;           // its place in the quarter
+        xs[m * K + t * quarters + u] = Num<DT>::load(x, i);
+    }
     __syncthreads();
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
     const int words = K / 32 * Q4_BLOCK_WORDS;        // 32-bit words in a row of w
-    const int quarters = K / 8;                       // 8 weights each
     for (int n0 = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * R; n0 < N;
          n0 += warps * R) {
         float acc[R][M];
@@ -40,7 +52,8 @@ __global__ void q4_gemv(const void* __restrict__ x, const unsigned* __restrict__
         }
         for (int u = lane; u < quarters; u += 32) {
             const int b = u / 4, s = u % 4;           // block b, its quarter s
-            // quarter s holds weights 4s..4s+3 (low nibbles) and 16+4s..16+4s+3 (high)
+            // quarter s holds weights 4s..4s+3 (low nibbles: t = 0..3) and 16+4s..16+4s+3
+            // (high nibbles: t = 4..7)
             float wf[R][8];
             #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -57,10 +70,9 @@ __global__ void q4_gemv(const void* __restrict__ x, const unsigned* __restrict__
             }
             #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const float* xm = xs + m * K + b * 32 + 4 * s;
                 float xv[8];
                 #pragma unroll
-                for (int j = 0; j < 4; ++j) { xv[j] = xm[j]; xv[4 + j] = xm[16 + j]; }
+                for (int t = 0; t < 8; ++t) xv[t] = xs[m * K + t * quarters + u];
                 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     #pragma unroll
