@@ -32,6 +32,9 @@ QK, BLOCK_BYTES = 32, 20   # weights a block; its bytes: d (fp16), m (fp16), 16 
 Q4_MAX_ROWS = 8            # rows of x a launch takes
 Q4_MAX_K = 4096            # the longest row: M * K float32 of x sit in shared memory
 Q4_GEMV_SOURCE = "q4_gemv.cu"
+#: Rows of the weight one warp computes at once, by rows of x, when the caller does not say
+#: (1 for every M until perf/q4_check.py's sweep of 1, 2 and 4 on the H200 says otherwise).
+ROWS_PER_WARP = {m: 1 for m in range(1, Q4_MAX_ROWS + 1)}
 
 
 def _blocks_shape(blocks) -> tuple[int, int]:
@@ -74,11 +77,12 @@ def quantize_q4_1(w) -> np.ndarray:
     return out.reshape(n, k // QK * BLOCK_BYTES)
 
 
-def q4_gemv(x, blocks, out, *, accumulate: bool = False, rows_per_warp: int = 1):
+def q4_gemv(x, blocks, out, *, accumulate: bool = False, rows_per_warp: int | None = None):
     """``out = x @ dequantize_q4_1(blocks).T`` (``out +=`` with ``accumulate``), float32
     accumulation. ``x`` [M, K] with M at most 8; ``blocks`` uint8 [N, K / 32 * 20];
-    ``out`` [M, N], x's dtype or float32. On a GPU ``rows_per_warp`` (1, 2 or 4) is how many
-    rows of the weight one warp computes at once. Returns ``out``."""
+    ``out`` [M, N], x's dtype or float32. On a GPU ``rows_per_warp`` (1, 2 or 4; default
+    ``ROWS_PER_WARP[M]``) is how many rows of the weight one warp computes at once. Returns
+    ``out``."""
     n, k = _blocks_shape(blocks)
     if x.ndim != 2 or x.shape[1] != k or tuple(out.shape) != (x.shape[0], n):
         raise ConfigError(f"q4_gemv shapes do not fit: x {tuple(x.shape)}, blocks "
@@ -96,6 +100,7 @@ def q4_gemv(x, blocks, out, *, accumulate: bool = False, rows_per_warp: int = 1)
             prod += out
         out[...] = prod
         return out
+    rows_per_warp = ROWS_PER_WARP[m] if rows_per_warp is None else rows_per_warp
     if rows_per_warp not in (1, 2, 4):
         raise ConfigError(f"rows_per_warp must be 1, 2 or 4, got {rows_per_warp!r}")
     for a, what in ((x, "x"), (blocks, "blocks"), (out, "out")):
