@@ -40,7 +40,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagedkv import backend  # noqa: E402
-from pagedkv.kernels.q4_gemv import BLOCK_BYTES, QK, dequantize_q4_1, q4_gemv, quantize_q4_1  # noqa: E402,E501
+from pagedkv.kernels.q4_gemv import (BLOCK_BYTES, QK, dequantize_q4_1, q4_gemv,  # noqa: E402
+                                     quantize_q4_1)
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ROWS = (1, 2, 4, 8)

@@ -77,7 +77,8 @@ def quantize_q4_1(w) -> np.ndarray:
     return out.reshape(n, k // QK * BLOCK_BYTES)
 
 
-def q4_gemv(x, blocks, out, *, accumulate: bool = False, rows_per_warp: int | None = None):
+def q4_gemv(x, blocks, out, *, accumulate: bool = False,
+            rows_per_warp: int | None = None):
     """``out = x @ dequantize_q4_1(blocks).T`` (``out +=`` with ``accumulate``), float32
     accumulation. ``x`` [M, K] with M at most 8; ``blocks`` uint8 [N, K / 32 * 20];
     ``out`` [M, N], x's dtype or float32. On a GPU ``rows_per_warp`` (1, 2 or 4; default
