@@ -26,7 +26,6 @@ where they have it, the greedy token of each row as host ints (``None`` otherwis
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -37,8 +36,11 @@ from ..kernels import decode_plan, paged_decode_attention
 from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mul
 from ..kernels.gemm import GEMV_AUTO_ROWS, GEMV_MAX_ROWS, gemm
 from ..kernels.norm_gemv import norm_gemv, norm_gemv_rope
+from ..kernels.q4_gemv import Q4_MAX_ROWS, q4_gemv
 from ..swap import copy_to_device, copy_to_host
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward
+from .graphs import buckets, graph_node_count, host_int32
+from .launch import DecodeLaunches, Launched
 from .prefill_pass import GRAPH_PREFILL_TOKENS, PrefillPasses
 
 __all__ = ["ModelRunner", "FastRunner", "make_runner", "buckets", "graph_node_count",
@@ -95,19 +97,6 @@ def make_runner(kind: str, model: Llama, kv: PagedKV, *, max_batch: int,
     raise ConfigError(f"runner must be 'plain', 'fast' or 'fast-eager', got {kind!r}")
 
 
-def buckets(max_batch: int) -> list[int]:
-    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 8 up to 64, then every 16,
-    ending at ``max_batch`` (a batch runs in the smallest bucket that holds it)."""
-    out, b = [], 1
-    while b < min(8, max_batch):
-        out.append(b)
-        b *= 2
-    while b < max_batch:
-        out.append(b)
-        b += 8 if b < 64 else 16
-    return out + [max_batch]
-
-
 class _Views(NamedTuple):
     """Every buffer of one bucket: the first ``b`` rows of the full-size arrays."""
     tokens: object
@@ -129,17 +118,7 @@ class _Views(NamedTuple):
     query_start: object = None   # a prefill's: where each sequence's rows begin
 
 
-class Launched(NamedTuple):
-    """A decode step started by :meth:`FastRunner.launch`: its rows, the event after its
-    download (None on NumPy: already done), the host array its greedy tokens arrive in,
-    and the device logits of its bucket."""
-    rows: int
-    done: object
-    greedy: np.ndarray
-    logits: object
-
-
-class FastRunner(PrefillPasses, ModelRunner):
+class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
     """Decode steps through fused kernels, static buffers and (on a GPU) one CUDA graph per
     bucket; prefills through the same layers, eagerly, with the paged prefill kernel.
 
@@ -150,14 +129,23 @@ class FastRunner(PrefillPasses, ModelRunner):
     a pass of at most ``fold_rows`` rows (default: where ``"auto"`` takes the few-row kernel,
     one row) folds each RMSNorm, and SwiGLU, into the projection after it (``norm_gemv``);
     ``single_pass`` offers the engine :meth:`mixed`: a step's prefill and decode rows in one
-    pass.
+    pass. ``weights="q4_1"`` reads the four projections of a decode pass of at most 8 rows
+    from ``q4_blocks``, the GGUF's Q4_1 blocks (:func:`~pagedkv.model.gguf.load_q4_blocks`),
+    through :func:`~pagedkv.kernels.q4_gemv.q4_gemv`; larger passes, eager prefills and the
+    output head read fp16 (``fold_rows`` then defaults to 0: a folded pass reads q|k|v and
+    gate|up in fp16).
     """
 
     def __init__(self, model: Llama, kv: PagedKV, *, max_batch: int = 256,
                  max_context: int | None = None, graphs: bool | None = None,
                  gemm_method: str = "auto", single_pass: bool = False,
-                 fold_rows: int | None = None):
+                 fold_rows: int | None = None, weights: str = "fp16",
+                 q4_blocks: dict | None = None):
         super().__init__(model, kv)
+        if weights not in ("fp16", "q4_1") or (weights == "q4_1") != (q4_blocks is not None):
+            raise ConfigError(f"weights must be 'fp16' or 'q4_1' (with q4_blocks, and only "
+                              f"then), got {weights!r} with"
+                              f"{'' if q4_blocks is not None else 'out'} q4_blocks")
         self.single_pass = bool(single_pass)
         c, xp = model.config, model.xp
         self.on_gpu = xp is not np
@@ -167,7 +155,7 @@ class FastRunner(PrefillPasses, ModelRunner):
         self.max_batch = positive_int(max_batch, "max_batch")
         self.gemm_method = gemm_method             # see pagedkv.kernels.gemm.gemm
         if fold_rows is None:
-            fold_rows = GEMV_AUTO_ROWS if gemm_method == "auto" else 0
+            fold_rows = GEMV_AUTO_ROWS if gemm_method == "auto" and weights == "fp16" else 0
         if isinstance(fold_rows, bool) or not 0 <= fold_rows <= GEMV_MAX_ROWS:
             raise ConfigError(f"fold_rows must be 0 to {GEMV_MAX_ROWS}, got {fold_rows!r}")
         self.fold_rows = fold_rows
@@ -183,7 +171,7 @@ class FastRunner(PrefillPasses, ModelRunner):
         # them: tokens, positions, slots, seq_lens, and for a launch that follows another the
         # row of the last launch whose greedy token each row takes (B each), then the page
         # tables [B, width]. Two host copies: one is staged while the other's upload waits.
-        self._meta_hosts = [_host_int32(5 * B + B * self.width, pinned=self.on_gpu)
+        self._meta_hosts = [host_int32(5 * B + B * self.width, pinned=self.on_gpu)
                             for _ in range(2)]
         self._meta_host = self._meta_hosts[0]
         self._meta = xp.zeros(self._meta_host.shape, np.int32)
@@ -194,12 +182,13 @@ class FastRunner(PrefillPasses, ModelRunner):
             attn=xp.zeros((B, c.heads, c.head_dim), dt),
             gate_up=xp.zeros((B, 2 * c.ffn), dt), act=xp.zeros((B, c.ffn), dt),
             logits=xp.zeros((B, c.vocab_size), np.float32), greedy=xp.zeros(B, np.int32))
-        self._greedy_hosts = [_host_int32(B, pinned=self.on_gpu) for _ in range(2)]
+        self._greedy_hosts = [host_int32(B, pinned=self.on_gpu) for _ in range(2)]
         # Every weight as [out, in] (each output's numbers in one row: what the few-row
         # multiply reads best); a copy on the GPU, a view of the model's on NumPy.
         t = (lambda w: xp.ascontiguousarray(w.T)) if self.on_gpu else (lambda w: w.T)
         self.weights = [(t(layer.wqkv), t(layer.wo), t(layer.w_gate_up), t(layer.w_down))
                         for layer in model.layers]
+        self.q4 = None if q4_blocks is None else _upload_q4(q4_blocks, self.weights, xp)
         self._views: dict[int, _Views] = {}
         self._graphs: dict[int, object] = {}
         self._prefill_full: dict = {}
@@ -235,26 +224,6 @@ class FastRunner(PrefillPasses, ModelRunner):
                                     **cut)
         return v
 
-    def _stage(self, batch: Batch, b: int, follow=None) -> int:
-        """Fill the host copy of the inputs for bucket ``b`` (padding rows: slot -1, length
-        0; ``follow``: the rows of the last launch whose tokens are the inputs) and return
-        how many of its int32 numbers the device needs."""
-        n, B, W, h = len(batch.tokens), self.max_batch, self.width, self._meta_host
-        tables = batch.block_tables
-        if tables.shape[1] > W:
-            raise ConfigError(f"a page table of {tables.shape[1]} blocks is wider than "
-                              f"max_context allows ({W} blocks)")
-        src = np.zeros(n, np.int32) if follow is None else follow
-        for i, a in enumerate((batch.tokens, batch.positions, batch.slots, batch.seq_lens,
-                               src)):
-            h[i * B:i * B + n] = a
-            h[i * B + n:i * B + b] = -1 if i == 2 else 0
-        t = h[5 * B:5 * B + b * W].reshape(b, W)
-        t[:n, :tables.shape[1]] = tables
-        t[:n, tables.shape[1]:] = 0
-        t[n:] = 0
-        return 5 * B + b * W
-
     # ------------------------------------------------------------------ one decode pass
     def _pass(self, v: _Views) -> None:
         """The decode step's arithmetic into bucket ``v``'s buffers: what a graph captures."""
@@ -271,28 +240,39 @@ class FastRunner(PrefillPasses, ModelRunner):
         """Every layer over the rows of ``v``: the residual stream ``v.x`` from the token
         embeddings to the last layer's output; ``attend(v, layer)`` fills ``v.attn``."""
         m, kv, c = self.model, self.kv, self.model.config
-        eps, b, g = c.norm_eps, v.x.shape[0], self.gemm_method
+        eps, b = c.norm_eps, v.x.shape[0]
         fold = self._folds(v)                      # each norm inside the projection after it
+        # weights="q4_1": a decode pass (not an eager prefill) of at most 8 rows reads blocks
+        q4_pass = self.q4 is not None and b <= Q4_MAX_ROWS and v.query_start is None
         embed(v.tokens, m.embedding, out=v.x)
         for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(m.layers,
                                                                        self.weights)):
+            q4 = self.q4[i] if q4_pass else (None,) * 4     # Q4_1 blocks, or fp16
             if fold:                               # norm, q|k|v, RoPE, K/V write: one launch
                 norm_gemv_rope(v.x, layer.attn_norm, eps, wqkv, v.qkv, v.positions, v.slots,
                                m.cos, m.sin, v.q, kv.layers[i], c.heads, c.kv_heads)
             else:
                 rms_norm(v.x, layer.attn_norm, eps, out=v.h)
-                gemm(v.h, wqkv, v.qkv, transpose_b=True, method=g)
+                self._project(v.h, wqkv, q4[0], v.qkv)
                 rope_write_kv(v.qkv, v.positions, v.slots, m.cos, m.sin, v.q, kv.layers[i],
                               c.heads, c.kv_heads)
             attend(v, i)
-            gemm(v.attn.reshape(b, -1), wo, v.x, accumulate=True, transpose_b=True, method=g)  # x += o
+            self._project(v.attn.reshape(b, -1), wo, q4[1], v.x, accumulate=True)  # x += o
             if fold:                               # norm, gate|up and SwiGLU: one launch
                 norm_gemv(v.x, layer.mlp_norm, eps, w_gate_up, v.act, silu=True)
             else:
                 rms_norm(v.x, layer.mlp_norm, eps, out=v.h)
-                gemm(v.h, w_gate_up, v.gate_up, transpose_b=True, method=g)
+                self._project(v.h, w_gate_up, q4[2], v.gate_up)
                 silu_mul(v.gate_up, out=v.act)
-            gemm(v.act, w_down, v.x, accumulate=True, transpose_b=True, method=g)   # x += mlp(x)
+            self._project(v.act, w_down, q4[3], v.x, accumulate=True)   # x += mlp(x)
+
+    def _project(self, a, w, q4, out, accumulate: bool = False) -> None:
+        """``out = a @ w.T`` (``+=`` with ``accumulate``): from the Q4_1 blocks ``q4`` when
+        given (:func:`~pagedkv.kernels.q4_gemv.q4_gemv`), else from the fp16 ``w``."""
+        if q4 is not None:
+            q4_gemv(a, q4, out, accumulate=accumulate)
+        else:
+            gemm(a, w, out, accumulate=accumulate, transpose_b=True, method=self.gemm_method)
 
     def _folds(self, v: _Views) -> bool:
         """Does this pass fold each RMSNorm (and SwiGLU) into the projection after it
@@ -308,148 +288,18 @@ class FastRunner(PrefillPasses, ModelRunner):
             paged_decode_attention(v.q, cache, v.tables, v.seq_lens, out=v.attn,
                                    scale=self.model.scale)
 
-    # ------------------------------------------------------------------ the interface
-    def decode(self, batch: Batch):
-        """One decode step: copy-on-write copies, then the pass (replayed from its graph on a
-        GPU); one upload of the inputs, one download of the greedy tokens."""
-        return self.land(self.launch(batch))
-
-    def launch(self, batch: Batch, follow=None) -> Launched:
-        """Start a decode step and return without waiting for it (:meth:`land` waits).
-        With ``follow`` (int32, one per row), row ``i``'s input token is the greedy token of
-        row ``follow[i]`` of the launch before, taken on the device: ``batch.tokens`` is
-        not read, and the host need not know those tokens yet."""
-        n = len(batch.tokens)
-        if not batch.is_decode:
-            raise ConfigError("FastRunner.decode takes one new token per sequence")
-        if follow is not None and (len(follow) != n or self._last is None
-                                   or not 0 <= min(follow, default=0) <= max(
-                                       follow, default=0) < self._last.rows):
-            raise ConfigError("follow: one row of the launch before for each row")
-        b = self._bucket(n)
-        v = self._view(b)
-        slot = self.steps % 2                      # this launch's host buffers
-        self._meta_host = self._meta_hosts[slot]
-        if self._uploaded[slot] is not None:       # the upload that read them is done
-            self._uploaded[slot].synchronize()
-        count = self._stage(batch, b, follow)      # checks first: a refused step changes nothing
-        self.steps += 1
-        greedy_host = self._greedy_hosts[slot]
-        if not self.on_gpu:
-            self.kv.copy(batch.copies)
-            self._meta[:count] = self._meta_host[:count]
-            if follow is not None:
-                self._follow(v, n)
-            self._pass(v)
-            greedy_host[:n] = v.greedy[:n]
-            self._last = Launched(n, None, greedy_host, v.logits)
-            return self._last
-        xp, s = self.model.xp, self.stream
-        s.wait_event(xp.cuda.Stream.null.record())  # after the prefill and copies before it
-        self._meta.data.copy_from_host_async(self._meta_host.ctypes.data, 4 * count, s)
-        self._uploaded[slot] = s.record()
-        with s:                                    # in stream order: after the step before
-            self.kv.copy(batch.copies)             # copy-on-write copies (plain path)
-            if follow is not None:
-                self._follow(v, n)
-            if self.graphs:
-                graph = self._graphs.get(b) or self._capture(b, v)
-                graph.launch(s)
-            else:
-                self._pass(v)
-        v.greedy.data.copy_to_host_async(greedy_host.ctypes.data, 4 * b, s)
-        self._last = Launched(n, s.record(), greedy_host, v.logits)
-        return self._last
-
-    def land(self, launched: Launched):
-        """Wait for a launch; its logits (valid until the next launch) and greedy tokens."""
-        if launched.done is not None:
-            launched.done.synchronize()
-        return launched.logits[:launched.rows], launched.greedy[:launched.rows].tolist()
-
-    def _follow(self, v: _Views, n: int) -> None:
-        """The inputs of a following launch: each row's token, the greedy token of the
-        row of the launch before that ``src`` names (on the device, before the pass)."""
-        src = self._meta[4 * self.max_batch:4 * self.max_batch + n]
-        greedy = self._full["greedy"]
-        if not self.on_gpu:
-            v.tokens[:n] = greedy[src]
-        else:
-            _gather_kernel()(greedy, src, v.tokens[:n])
-
-    def _capture(self, b: int, v: _Views):
-        """Run the pass once (compiles kernels, lets cuBLAS choose), then capture it."""
-        s = self.stream
-        self._pass(v)                              # the warm-up, on this very stream
-        s.synchronize()
-        s.begin_capture()
-        try:
-            self._pass(v)
-        finally:
-            graph = s.end_capture()
-        graph.upload(s)
-        self._graphs[b] = graph
-        return graph
-
-    def capture_all(self) -> int:
-        """Capture every bucket's graph now (otherwise each is captured at its first use).
-        The pass writes K/V only at slot -1 rows here: nothing in the pool changes."""
-        if not self.graphs:
-            return 0
-        for b in self.buckets:
-            if b not in self._graphs:
-                v = self._view(b)
-                h = self._meta_host
-                h[:] = 0
-                h[2 * self.max_batch:3 * self.max_batch] = -1      # every slot: padding
-                self._meta.data.copy_from_host_async(h.ctypes.data, h.nbytes, self.stream)
-                with self.stream:
-                    self._capture(b, v)
-        self.stream.synchronize()
-        return len(self._graphs)
-
-    def graph_nodes(self, b: int) -> int | None:
-        """Nodes (kernels and copies) of bucket ``b``'s captured graph, or None when it has
-        none or the count cannot be read (:func:`graph_node_count`)."""
-        graph = self._graphs.get(b)
-        return None if graph is None else graph_node_count(graph)
-
-
-def graph_node_count(graph) -> int | None:
-    """The nodes of a captured ``cupy.cuda.graph.Graph`` (its ``graph`` attribute is the
-    ``cudaGraph_t`` handle): through cuda-bindings' ``cudaGraphGetNodes`` if installed, else
-    the driver's ``cuGraphGetNodes`` by ctypes (a ``cudaGraph_t`` is a ``CUgraph``); None
-    when neither answers."""
-    handle = int(graph.graph)
-    try:
-        from cuda.bindings import runtime as rt
-        answer = rt.cudaGraphGetNodes(handle, 0)       # (error, nodes: none asked, count)
-        if answer[0] == rt.cudaError_t.cudaSuccess:
-            return int(answer[-1])
-    except Exception:                                  # not installed, or another API
-        pass
-    try:
-        import ctypes
-        count = ctypes.c_size_t(0)
-        if ctypes.CDLL("libcuda.so.1").cuGraphGetNodes(
-                ctypes.c_void_p(handle), None, ctypes.byref(count)) == 0:
-            return int(count.value)
-    except Exception:
-        pass
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _gather_kernel():
-    """``tokens[i] = greedy[src[i]]`` on the device (one small launch)."""
-    import cupy
-    return cupy.ElementwiseKernel("raw int32 greedy, int32 src", "int32 token",
-                                  "token = greedy[src]", "pagedkv_follow")
-
-
-def _host_int32(n: int, pinned: bool) -> np.ndarray:
-    """An int32 host array; page-locked on a GPU, so copies to the device run asynchronously."""
-    if not pinned:
-        return np.zeros(n, np.int32)
-    import cupyx
-    return cupyx.empty_pinned((n,), np.int32)
+def _upload_q4(blocks: dict, weights: list, xp) -> list:
+    """Each layer's Q4_1 blocks (Q4_PROJECTIONS order, as the fp16 ``weights``) on the
+    device, checked against the fp16 weights' shapes."""
+    from ..kernels.q4_gemv import BLOCK_BYTES, QK
+    from .gguf import Q4_PROJECTIONS
+    out = []
+    for i, fp16 in enumerate(weights):
+        layer = tuple(xp.asarray(blocks[f"{i}.{name}"]) for name in Q4_PROJECTIONS)
+        for name, q, w in zip(Q4_PROJECTIONS, layer, fp16):
+            if q.dtype != np.uint8 or q.shape != (w.shape[0], w.shape[1] // QK * BLOCK_BYTES):
+                raise ConfigError(f"q4_blocks['{i}.{name}'] must be uint8 [{w.shape[0]}, "
+                                  f"{w.shape[1] // QK * BLOCK_BYTES}] for the [{w.shape[0]}, "
+                                  f"{w.shape[1]}] weight, got {q.dtype} {tuple(q.shape)}")
+        out.append(layer)
+    return out

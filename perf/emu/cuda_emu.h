@@ -169,6 +169,7 @@ template <class N16> struct Num16 {
 };
 template <> struct Num<1> : Num16<Num<1>> {
     static float widen(uint16_t h) { return half_to_float(h); }
+    static float load(const void* p, long long i) { return widen(((const uint16_t*)p)[i]); }
     static void store(void* p, long long i, float x) { ((uint16_t*)p)[i] = float_to_half(x); }
     static unsigned pack2(float lo, float hi) {
         return (unsigned)float_to_half(lo) | ((unsigned)float_to_half(hi) << 16);
@@ -176,6 +177,7 @@ template <> struct Num<1> : Num16<Num<1>> {
 };
 template <> struct Num<2> : Num16<Num<2>> {
     static float widen(uint16_t h) { return bf16_to_float(h); }
+    static float load(const void* p, long long i) { return widen(((const uint16_t*)p)[i]); }
     static void store(void* p, long long i, float x) { ((uint16_t*)p)[i] = float_to_bf16(x); }
     static unsigned pack2(float lo, float hi) {
         return (unsigned)float_to_bf16(lo) | ((unsigned)float_to_bf16(hi) << 16);
