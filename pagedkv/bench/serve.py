@@ -114,7 +114,8 @@ def _engine(model, requests, args) -> Engine:
                   stop_ids=(), runner=runner, max_context=longest if fast else None,
                   bookkeeping="fast" if fast else "teaching",
                   token_budget=args.token_budget, prefill_chunk=args.token_budget or 2048,
-                  single_pass=fast and args.single_pass, overlap=fast and args.overlap)
+                  single_pass=fast and args.single_pass,
+                  overlap=args.overlap if fast else False)
 
 
 def _warm_up(engine: Engine, vocab: int) -> None:
@@ -151,9 +152,10 @@ def _time_parts(engine: Engine) -> dict:
 def options(**given) -> argparse.Namespace:
     """The engine's options as the command line gives them (its defaults, updated by
     ``given``: ``token_budget``, ``max_seqs``, ``blocks``, ``runner``, ``single_pass``,
-    ``overlap``, ``trace``: steps of the timeline kept for a plot)."""
+    ``overlap`` (None: the engine's default, on on a GPU), ``trace``: steps of the
+    timeline kept for a plot)."""
     o = argparse.Namespace(token_budget=2048, max_seqs=256, blocks=0, runner=None,
-                           single_pass=False, overlap=False, trace=0)
+                           single_pass=False, overlap=None, trace=0)
     for key, value in given.items():
         if not hasattr(o, key):
             raise ConfigError(f"unknown option {key!r}; choose from {sorted(vars(o))}")
@@ -434,9 +436,9 @@ def main(argv=None) -> int:
     p.add_argument("--single-pass", action="store_true",
                    help="a step's last prefill pack and its decode rows in one forward "
                         "pass (fast runners)")
-    p.add_argument("--overlap", action="store_true",
-                   help="plan each decode step while the GPU runs the one before "
-                        "(fast runners)")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="plan each decode step while the GPU runs the one before (fast "
+                        "runners; auto: on on a GPU)")
     p.add_argument("--trace", type=int, default=0, metavar="STEPS",
                    help="keep this many steps of the host/GPU timeline in the JSON")
     p.add_argument("--keep-stamps", action="store_true",
@@ -452,6 +454,7 @@ def main(argv=None) -> int:
     if args.token_budget < 0:
         p.error("--token-budget must be at least 0")
     args.token_budget = args.token_budget or None
+    args.overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     args.argv = argv
     r = run(args)
     print(table(r))

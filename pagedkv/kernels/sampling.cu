@@ -2,7 +2,7 @@
 //
 // The rule (pagedkv/kernels/sampling.py says it in full, and its NumPy reference is the
 // oracle): p = exp(z - max z) with z = logits / T, float32 (the exp taken in double and
-// rounded); top-k keeps {p >= t_k}, t_k the largest value with at least k tokens at or above
+// rounded; below the smallest normal float, 0); top-k keeps {p >= t_k}, t_k the largest value with at least k tokens at or above
 // it; top-p then keeps {p >= t}, t the largest value whose mass (of the top-k set) is at least
 // top_p of it; the token is the first kept one, in token order, where the running kept mass
 // passes u * (kept mass). A token whose p is 0 is never kept. T = 0: the first argmax.
@@ -139,7 +139,8 @@ sample_rows_kernel(const float* __restrict__ logits, const int vocab,
     double total = 0.0;
     int positive = 0;
     for (int j = tid; j < vocab; j += THREADS) {
-        const float v = (float)exp((double)(x[j] / tf - zmax));
+        float v = (float)exp((double)(x[j] / tf - zmax));
+        if (v < 1.17549435e-38f) v = 0.0f;             // below float's normal range: 0
         p[j] = v;
         if (v > 0.0f) { total += v; positive += 1; }   // the same sum as mass_at(p, 1 bit)
     }

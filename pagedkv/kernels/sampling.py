@@ -8,7 +8,9 @@ oracle the kernel is tested against, which sorts. The rule both follow, exactly:
 1. **Probabilities** (:func:`probabilities`): ``z = logits / T`` in float32, ``T`` rounded
    to float32; ``p = exp(z - max z)``, the exp taken in float64 and rounded to float32 (so
    the GPU's ``p`` is NumPy's, bit for bit, but for a double rounding at a float32 midpoint:
-   about one element in 2**28). ``p`` is unnormalised; the largest is 1.
+   about one element in 2**28). A ``p`` below float32's smallest normal number (about
+   1.2e-38) is 0: a GPU's conversions may flush such subnormals, NumPy's keep them, and a
+   token that unlikely could never be drawn anyway. ``p`` is unnormalised; the largest is 1.
 2. **Top-k**: ``t_k`` is the largest value with at least ``k`` tokens whose ``p >= t_k``
    (``k = 0``, or ``k`` at least the number of tokens with ``p > 0``: the smallest positive
    ``p``). The top-k set is ``{p >= t_k}``: every token tied with the ``k``-th is kept, so
@@ -102,7 +104,8 @@ def probabilities(logits, temperature, xp=np):
     t = xp.asarray(temperature, dtype=xp.float64).astype(xp.float32)
     z = logits / xp.where(t > 0, t, xp.float32(1))[:, None]
     d = z - z.max(axis=1, keepdims=True)
-    return xp.exp(d.astype(xp.float64)).astype(xp.float32)
+    p = xp.exp(d.astype(xp.float64)).astype(xp.float32)
+    return xp.where(p < np.finfo(np.float32).tiny, xp.float32(0), p)   # no subnormals
 
 
 def thresholds(p, top_p, top_k):

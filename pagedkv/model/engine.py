@@ -46,7 +46,7 @@ from ..checks import cdiv, positive_int, token_ids
 from ..errors import AuditError, ConfigError
 from ..prefix_cache import PrefixCachingManager
 from .llama import Batch, Llama, PagedKV
-from .overlap import Ahead, Overlapping
+from .overlap import Overlapping
 from ..scheduler import Schedule, Scheduler
 from .requests import Request, SamplingParams
 from .runner import make_runner
@@ -72,7 +72,8 @@ class Engine(Overlapping, Choosing):
     of :class:`~pagedkv.model.runner.FastRunner` for decode steps, whose page tables hold
     ``max_context`` tokens (default: the model's context); ``"fast-eager"`` the same kernels
     without graphs; ``single_pass`` runs a step's last prefill pass and its decode as one
-    pass, ``overlap`` plans a step while the GPU runs the last (both: fast runners only).
+    pass, ``overlap`` plans a step while the GPU runs the last (both: fast runners only;
+    ``overlap`` is on by default where the runner is on a GPU).
     ``bookkeeping``: ``"teaching"`` (the chapters' core) or ``"fast"`` (:mod:`pagedkv.fast`).
 
     Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s (``self.scheduler``), over
@@ -96,7 +97,7 @@ class Engine(Overlapping, Choosing):
                  watermark: float = 0.01, runner: str = "plain",
                  max_context: int | None = None, bookkeeping: str = "teaching",
                  token_budget: int | None = None, chunked_prefill: bool = True,
-                 single_pass: bool = False, overlap: bool = False):
+                 single_pass: bool = False, overlap: bool | None = None):
         self.model = model
         if bookkeeping == "teaching":
             classes, cache_cls = {}, PrefixCachingManager
@@ -123,9 +124,7 @@ class Engine(Overlapping, Choosing):
         self.memory.running = self.scheduler.running
         self.finished: list = []
         self.history = deque(maxlen=self.history_steps)  # a dict per step: the pool
-        self.ahead = Ahead() if overlap else None          # the overlapped loop's state
-        if overlap:
-            self._check_overlap()
+        self.ahead = self._ahead(overlap)            # the overlapped loop's state, or None
 
     # the scheduler's queues: waiting (first come, first served), running (in admission
     # order: the last is preempted first), swapped (the oldest preemption first)

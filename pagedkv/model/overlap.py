@@ -61,9 +61,14 @@ class Overlapping:
     """The overlapped step (a mixin of :class:`~pagedkv.model.engine.Engine`: it uses the
     engine's scheduler, memory, runner and its plain step's parts)."""
 
-    def _check_overlap(self) -> None:
-        if not hasattr(self.runner, "launch"):
+    def _ahead(self, overlap: bool | None) -> Ahead | None:
+        """The state for ``Engine(overlap=...)``: None (off), or on; by default on where
+        the runner runs on a GPU (where it measured faster; on NumPy nothing overlaps)."""
+        if overlap is None:
+            overlap = getattr(self.runner, "on_gpu", False)
+        if overlap and not hasattr(self.runner, "launch"):
             raise ConfigError("overlap needs a fast runner ('fast' or 'fast-eager')")
+        return Ahead() if overlap else None
 
     def _step_ahead(self) -> None:
         """One step of the overlapped loop (the module's text)."""

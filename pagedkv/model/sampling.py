@@ -91,10 +91,10 @@ class Choosing:
     :class:`~pagedkv.model.engine.Engine`; it uses ``self.manager``, ``self.stop_ids`` and
     ``self._new_seq``)."""
 
-    #: Sample a step's rows in one batch call: ``None`` where the logits are on a GPU,
-    #: ``True`` always (the same code on NumPy, for tests), ``False`` never (the default
-    #: until the CUDA kernel keeps exactly the reference's sets: on the H200 7 of 512 rows
-    #: at near-ties of the cut still differ, tests/test_sampling_device.py).
+    #: Sample a step's rows in one batch call: ``None`` where the logits are on a GPU (the
+    #: server's engine, :func:`pagedkv.serve.start.served_engine`), ``True`` always (the
+    #: same code on NumPy, for tests), ``False`` never: the default, the per-request
+    #: sampler the chapters show, whose samples are the same on a CPU and a GPU.
     batch_sampling: bool | None = False
 
     def _batched(self, logits) -> bool:
