@@ -32,3 +32,15 @@ def test_gaps_draws_one_sorted_curve_per_run():
         y = line.get_ydata()
         assert (np.diff(y) >= 0).all() and len(y) == 2 * 14
     assert lines[0].get_ydata().max() > lines[1].get_ydata().max()
+
+
+def test_timeline_draws_a_bar_per_span_in_its_lane():
+    trace = {"host": [("step", 0, 2), ("wait", 0.5, 1.5), ("step", 2.2, 4)],
+             "device": [("decode", -0.3, 1.5), ("decode", 1.6, 3.9), ("prefill", 3.9, 4.5)]}
+    fig = serving.draw_timeline({"a": trace, "b": {"host": trace["host"], "device": []}})
+    assert len(fig.axes) == 2
+    bars = fig.axes[0].collections
+    assert len(bars) == 6 and len(fig.axes[1].collections) == 3
+    lanes = [b.get_paths()[0].get_extents().y0 for b in bars]
+    assert lanes[:3] == [1.1] * 3 and lanes[3:] == [0.1] * 3   # the host above the GPU
+    assert fig.axes[1].get_xlim() == (0, 4)

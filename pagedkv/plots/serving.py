@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-__all__ = ["draw_token_times", "draw_gaps"]
+__all__ = ["draw_token_times", "draw_gaps", "draw_timeline"]
 
 
 def draw_token_times(runs: dict, *, title: str | None = None):
@@ -42,5 +42,39 @@ def draw_gaps(runs: dict):
     ax.set_ylabel("gap between tokens (ms)")
     ax.set_yscale("log")
     ax.legend(fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+TIMELINE_COLORS = {"decode": "tab:blue", "prefill": "tab:orange", "mixed": "tab:purple",
+                   "swap": "tab:gray"}
+
+
+def draw_timeline(traces: dict, *, title: str | None = None):
+    """One panel per run (``{name: trace}``, each a
+    :meth:`pagedkv.model.timeline.Timeline.to_json` of a few steps, in ms): the host's lane
+    (each step; hatched, the part of it spent waiting for the GPU) above the GPU's (its
+    spans, coloured by kind)."""
+    fig, axes = plt.subplots(len(traces), 1, figsize=(8.5, 1.0 + 1.3 * len(traces)),
+                             sharex=True, squeeze=False)
+    end = 0.0
+    for ax, (name, t) in zip(axes[:, 0], traces.items()):
+        for n, s, e in t["host"]:
+            if n == "step":
+                ax.broken_barh([(s, e - s)], (1.1, 0.8), color="tab:green", alpha=0.75)
+            elif n == "wait":
+                ax.broken_barh([(s, e - s)], (1.1, 0.8), facecolor="white",
+                               edgecolor="tab:green", hatch="////", lw=0.5)
+        for n, s, e in t["device"]:
+            ax.broken_barh([(s, e - s)], (0.1, 0.8), color=TIMELINE_COLORS.get(n, "k"),
+                           edgecolor="white", lw=0.5)
+        end = max([end] + [e for n, _, e in t["host"] if n == "step"])
+        ax.set_yticks([0.5, 1.5], ["GPU", "host"])
+        ax.set_ylim(0, 2)
+        ax.set_title(name, fontsize=10, loc="left")
+    axes[-1, 0].set_xlim(0, end)
+    axes[-1, 0].set_xlabel("ms from the first step's start")
+    fig.suptitle(title or "green: the host in a step (hatched: waiting for the GPU); "
+                 "blue: the GPU decoding", fontsize=10)
     fig.tight_layout()
     return fig
