@@ -43,7 +43,7 @@ def _measure(model, fold_rows: int, steps: int) -> dict:
     batch = Batch(one, one * 100, one * 100, one, one * 101, np.arange(7, dtype=np.int32)[None],
                   np.zeros((0, 2), np.int32))
     for _ in range(5):
-        runner.decode(batch)
+        _, greedy = runner.decode(batch)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -52,7 +52,7 @@ def _measure(model, fold_rows: int, steps: int) -> dict:
     return dict(fold_rows=fold_rows, nodes=runner.graph_nodes(1),
                 step_ms_median=1e3 * float(np.median(times)),
                 step_ms_min=1e3 * float(np.min(times)),
-                greedy=int(runner._greedy_host[0]))
+                greedy=int(greedy[0]))
 
 
 def main():

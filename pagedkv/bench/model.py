@@ -163,23 +163,28 @@ def replay_ms(runner, bucket: int, rounds: int = 5, n: int = 100) -> float:
     return statistics.median(times)
 
 
-def graph_replay_ms(engine) -> float | None:
-    """The replay time of the graph the engine's fast runner used last (its largest bucket):
-    the step without the engine's Python around it."""
+def _decode_bucket(engine, batch: int):
+    """The bucket a decode step of ``batch`` sequences replays, if its graph is captured (a
+    short prefill replays a larger bucket's graph: not this one)."""
     runner = engine.runner
-    if not getattr(runner, "graphs", False) or not runner._graphs:
+    if not getattr(runner, "graphs", False):
         return None
-    return replay_ms(runner, max(runner._graphs))
+    b = runner._bucket(batch)
+    return b if b in runner._graphs else None
 
 
-def graph_nodes(engine) -> tuple:
-    """The bucket of the graph the engine's fast runner used last and that graph's node
-    count (each node one kernel or copy the replay runs; None if it cannot be read)."""
-    runner = engine.runner
-    if not getattr(runner, "graphs", False) or not runner._graphs:
-        return None, None
-    b = max(runner._graphs)
-    return b, runner.graph_nodes(b)
+def graph_replay_ms(engine, batch: int) -> float | None:
+    """The replay time of the graph a decode step of ``batch`` sequences runs: the step
+    without the engine's Python around it."""
+    b = _decode_bucket(engine, batch)
+    return None if b is None else replay_ms(engine.runner, b)
+
+
+def graph_nodes(engine, batch: int) -> tuple:
+    """The bucket of a decode step of ``batch`` sequences and its graph's node count (each
+    node one kernel or copy the replay runs; None if it cannot be read)."""
+    b = _decode_bucket(engine, batch)
+    return b, None if b is None else engine.runner.graph_nodes(b)
 
 
 def fast_tokens_per_second(model, prompt, batch: int, steps: int, repeat: int,
@@ -190,8 +195,8 @@ def fast_tokens_per_second(model, prompt, batch: int, steps: int, repeat: int,
     if graphs:
         engine = _engine(model, prompt, batch, steps, **fast)
         engine.step()
-        r["graph_replay_ms"] = graph_replay_ms(engine)
-        r["graph_bucket"], r["graph_nodes"] = graph_nodes(engine)
+        r["graph_replay_ms"] = graph_replay_ms(engine, batch)
+        r["graph_bucket"], r["graph_nodes"] = graph_nodes(engine, batch)
         engine.run()
     return r
 
