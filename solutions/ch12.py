@@ -84,15 +84,20 @@ class FusedNormRunner(runner_mod.FastRunner):
 
 # ------------------------------------------------------------------------------ checks
 
-def _counted_pass(layers: int) -> dict:
-    """Run one decode pass of the fast runner on a random tiny model with every operation
-    wrapped in a counter (the oracle: what the code really launches)."""
+COUNTED = KINDS + ("norm_gemv",)      # what a pass may call; norm_gemv only when it folds
+
+
+def counted_pass(layers: int, fold_rows: int = 0):
+    """Run one decode pass of the fast runner on a random tiny model of ``layers`` layers
+    with every operation wrapped in a counter (the oracle: what the code really launches).
+    ``fold_rows=0`` is the unfolded pass the chapter reads first; with 1, the pass of one
+    row folds each norm (and SwiGLU) into the projection after it. Returns the counts by
+    kind and the pass's logits."""
     config = LlamaConfig(**{**TINY.__dict__, "layers": layers})
     model = Llama(config, random_weights(config, 3), xp=np)
     kv = PagedKV.for_model(model, 8, 16)
-    # the unfolded pass the chapter reads (a pass of one row folds each norm otherwise)
-    runner = runner_mod.FastRunner(model, kv, max_batch=2, fold_rows=0)
-    counts = dict.fromkeys(KINDS, 0)
+    runner = runner_mod.FastRunner(model, kv, max_batch=2, fold_rows=fold_rows)
+    counts = dict.fromkeys(COUNTED, 0)
     saved = {}
 
     def counted(kind, fn):
@@ -100,7 +105,7 @@ def _counted_pass(layers: int) -> dict:
             counts[kind] += 1
             return fn(*args, **kwargs)
         return wrapper
-    for kind in KINDS:
+    for kind in COUNTED:
         if kind == "attention":
             saved[kind] = runner_mod.FastRunner._attend
             runner_mod.FastRunner._attend = counted(kind, saved[kind])
@@ -109,21 +114,25 @@ def _counted_pass(layers: int) -> dict:
             setattr(runner_mod, kind, counted(kind, saved[kind]))
     try:
         one = np.ones(1, np.int32)
-        runner.decode(Batch(one, np.zeros(1, np.int32), np.zeros(1, np.int32), one, one,
-                            np.zeros((1, 1), np.int32), np.zeros((0, 2), np.int32)))
+        logits, _ = runner.decode(Batch(one, np.zeros(1, np.int32), np.zeros(1, np.int32),
+                                        one, one, np.zeros((1, 1), np.int32),
+                                        np.zeros((0, 2), np.int32)))
     finally:
         for kind, fn in saved.items():
             if kind == "attention":
                 runner_mod.FastRunner._attend = fn
             else:
                 setattr(runner_mod, kind, fn)
-    return counts
+    return counts, np.array(logits)
 
 
 def check_count_operations(impl=count_operations):
-    """Against the operations a real pass launches, counted, for 1, 3 and 30 layers."""
+    """Against the operations a real (unfolded) pass launches, counted, for 1, 3 and 30
+    layers."""
     for layers in (1, 3, 30):
-        got, expect = impl(layers), _counted_pass(layers)
+        expect, _ = counted_pass(layers)
+        assert expect.pop("norm_gemv") == 0, "the unfolded pass called norm_gemv"
+        got = impl(layers)
         assert got == expect, f"{layers} layers: counted {expect}, got {got}"
     return {"operations for 30 layers": sum(expect.values())}
 
