@@ -84,21 +84,33 @@ class FusedNormRunner(runner_mod.FastRunner):
 
 # ------------------------------------------------------------------------------ checks
 
-COUNTED = KINDS + ("norm_gemv",)      # what a pass may call; norm_gemv only when it folds
+COUNTED = KINDS + ("norm_gemv", "norm_gemv_rope")     # the last two: a folded pass only
 
 
-def counted_pass(layers: int, fold_rows: int = 0):
+def _rope_unfolded(x, norm_w, eps, w, qkv, positions, slots, cos, sin, q_out, cache,
+                   q_heads, kv_heads):
+    """What ``norm_gemv_rope`` replaces, as the runner's own two (counted) calls."""
+    runner_mod.norm_gemv(x, norm_w, eps, w, qkv)
+    return runner_mod.rope_write_kv(qkv, positions, slots, cos, sin, q_out, cache, q_heads,
+                                    kv_heads)
+
+
+def counted_pass(layers: int, fold_rows: int = 0, rope_fold: bool = True):
     """Run one decode pass of the fast runner on a random tiny model of ``layers`` layers
     with every operation wrapped in a counter (the oracle: what the code really launches).
     ``fold_rows=0`` is the unfolded pass the chapter reads first; with 1, the pass of one
-    row folds each norm (and SwiGLU) into the projection after it. Returns the counts by
-    kind and the pass's logits."""
+    row folds each norm (and SwiGLU) into the projection after it, and RoPE with the K/V
+    write into the q|k|v one (``rope_fold=False``: not those two, the pass before
+    ``norm_gemv_rope``). Returns the counts by kind and the pass's logits."""
     config = LlamaConfig(**{**TINY.__dict__, "layers": layers})
     model = Llama(config, random_weights(config, 3), xp=np)
     kv = PagedKV.for_model(model, 8, 16)
     runner = runner_mod.FastRunner(model, kv, max_batch=2, fold_rows=fold_rows)
     counts = dict.fromkeys(COUNTED, 0)
     saved = {}
+    if not rope_fold:
+        saved["norm_gemv_rope"] = runner_mod.norm_gemv_rope
+        runner_mod.norm_gemv_rope = _rope_unfolded
 
     def counted(kind, fn):
         def wrapper(*args, **kwargs):
@@ -106,6 +118,8 @@ def counted_pass(layers: int, fold_rows: int = 0):
             return fn(*args, **kwargs)
         return wrapper
     for kind in COUNTED:
+        if kind == "norm_gemv_rope" and not rope_fold:
+            continue                               # never called: _rope_unfolded instead
         if kind == "attention":
             saved[kind] = runner_mod.FastRunner._attend
             runner_mod.FastRunner._attend = counted(kind, saved[kind])
@@ -131,7 +145,8 @@ def check_count_operations(impl=count_operations):
     layers."""
     for layers in (1, 3, 30):
         expect, _ = counted_pass(layers)
-        assert expect.pop("norm_gemv") == 0, "the unfolded pass called norm_gemv"
+        folded = expect.pop("norm_gemv") + expect.pop("norm_gemv_rope")
+        assert folded == 0, "the unfolded pass called norm_gemv"
         got = impl(layers)
         assert got == expect, f"{layers} layers: counted {expect}, got {got}"
     return {"operations for 30 layers": sum(expect.values())}
