@@ -84,23 +84,42 @@ class FusedNormRunner(runner_mod.FastRunner):
 
 # ------------------------------------------------------------------------------ checks
 
-def _counted_pass(layers: int) -> dict:
-    """Run one decode pass of the fast runner on a random tiny model with every operation
-    wrapped in a counter (the oracle: what the code really launches)."""
+COUNTED = KINDS + ("norm_gemv", "norm_gemv_rope")     # the last two: a folded pass only
+
+
+def _rope_unfolded(x, norm_w, eps, w, qkv, positions, slots, cos, sin, q_out, cache,
+                   q_heads, kv_heads):
+    """What ``norm_gemv_rope`` replaces, as the runner's own two (counted) calls."""
+    runner_mod.norm_gemv(x, norm_w, eps, w, qkv)
+    return runner_mod.rope_write_kv(qkv, positions, slots, cos, sin, q_out, cache, q_heads,
+                                    kv_heads)
+
+
+def counted_pass(layers: int, fold_rows: int = 0, rope_fold: bool = True):
+    """Run one decode pass of the fast runner on a random tiny model of ``layers`` layers
+    with every operation wrapped in a counter (the oracle: what the code really launches).
+    ``fold_rows=0`` is the unfolded pass the chapter reads first; with 1, the pass of one
+    row folds each norm (and SwiGLU) into the projection after it, and RoPE with the K/V
+    write into the q|k|v one (``rope_fold=False``: not those two, the pass before
+    ``norm_gemv_rope``). Returns the counts by kind and the pass's logits."""
     config = LlamaConfig(**{**TINY.__dict__, "layers": layers})
     model = Llama(config, random_weights(config, 3), xp=np)
     kv = PagedKV.for_model(model, 8, 16)
-    # the unfolded pass the chapter reads (a pass of one row folds each norm otherwise)
-    runner = runner_mod.FastRunner(model, kv, max_batch=2, fold_rows=0)
-    counts = dict.fromkeys(KINDS, 0)
+    runner = runner_mod.FastRunner(model, kv, max_batch=2, fold_rows=fold_rows)
+    counts = dict.fromkeys(COUNTED, 0)
     saved = {}
+    if not rope_fold:
+        saved["norm_gemv_rope"] = runner_mod.norm_gemv_rope
+        runner_mod.norm_gemv_rope = _rope_unfolded
 
     def counted(kind, fn):
         def wrapper(*args, **kwargs):
             counts[kind] += 1
             return fn(*args, **kwargs)
         return wrapper
-    for kind in KINDS:
+    for kind in COUNTED:
+        if kind == "norm_gemv_rope" and not rope_fold:
+            continue                               # never called: _rope_unfolded instead
         if kind == "attention":
             saved[kind] = runner_mod.FastRunner._attend
             runner_mod.FastRunner._attend = counted(kind, saved[kind])
@@ -109,21 +128,26 @@ def _counted_pass(layers: int) -> dict:
             setattr(runner_mod, kind, counted(kind, saved[kind]))
     try:
         one = np.ones(1, np.int32)
-        runner.decode(Batch(one, np.zeros(1, np.int32), np.zeros(1, np.int32), one, one,
-                            np.zeros((1, 1), np.int32), np.zeros((0, 2), np.int32)))
+        logits, _ = runner.decode(Batch(one, np.zeros(1, np.int32), np.zeros(1, np.int32),
+                                        one, one, np.zeros((1, 1), np.int32),
+                                        np.zeros((0, 2), np.int32)))
     finally:
         for kind, fn in saved.items():
             if kind == "attention":
                 runner_mod.FastRunner._attend = fn
             else:
                 setattr(runner_mod, kind, fn)
-    return counts
+    return counts, np.array(logits)
 
 
 def check_count_operations(impl=count_operations):
-    """Against the operations a real pass launches, counted, for 1, 3 and 30 layers."""
+    """Against the operations a real (unfolded) pass launches, counted, for 1, 3 and 30
+    layers."""
     for layers in (1, 3, 30):
-        got, expect = impl(layers), _counted_pass(layers)
+        expect, _ = counted_pass(layers)
+        folded = expect.pop("norm_gemv") + expect.pop("norm_gemv_rope")
+        assert folded == 0, "the unfolded pass called norm_gemv"
+        got = impl(layers)
         assert got == expect, f"{layers} layers: counted {expect}, got {got}"
     return {"operations for 30 layers": sum(expect.values())}
 
