@@ -341,8 +341,8 @@ def test_runner_q4_on_the_gpu_equals_fp16_on_the_dequantized_model():
     """float32 on the GPU, through captured graphs: one decode step over the same random
     cache gives the fp16 runner's logits on the dequantized weights to float32 rounding (the
     sums run in another order, so a greedy token may differ only where two logits nearly
-    tie); q4_gemv takes gemm's place one for one, so a bucket's graph has as many nodes as
-    the unfolded fp16 one."""
+    tie); q4_gemv takes gemm's place one for one, one launch a projection in
+    every bucket."""
     cp = backend.xp
     blocks, deq = quantize_weights_q4(random_weights(TINY, SEED), TINY.layers)
     model = Llama(TINY, deq, dtype=np.float32)
@@ -368,4 +368,7 @@ def test_runner_q4_on_the_gpu_equals_fp16_on_the_dequantized_model():
         clear = top2[:, 1] - top2[:, 0] > 1e-3
         assert np.array_equal(np.asarray(g4)[clear], np.asarray(g16)[clear]), b
     nodes = [[r.graph_nodes(b) for b in (1, 4, 8)] for r in runners]
-    assert None not in nodes[0] and nodes[0] == nodes[1], nodes
+    # one launch a projection in every bucket: the fp16 graph's at one row (its few-row
+    # kernel); cuBLAS may take more above it
+    assert None not in nodes[0] and nodes[1] == [nodes[0][0]] * 3, nodes
+    assert all(q <= f for q, f in zip(nodes[1], nodes[0])), nodes

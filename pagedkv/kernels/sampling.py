@@ -243,12 +243,11 @@ def kept_tokens(logits, temperature, top_p, top_k):
     p = probabilities(logits, t, xp)
     if xp is np:
         thr, _ = thresholds(p, tp, tk)
-        first = np.argmax(logits, axis=1)              # a greedy row's token: the first argmax
-    else:                                              # (the kernel's own: CuPy's argmax may
-        zeros = np.zeros(rows, np.uint64)              # break a tie otherwise)
-        first, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)
+    else:
+        zeros = np.zeros(rows, np.uint64)
+        _, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)
     keep = p >= xp.asarray(thr)[:, None]
-    greedy = xp.arange(p.shape[1])[None, :] == first[:, None]
+    greedy = xp.arange(p.shape[1])[None, :] == xp.argmax(logits, axis=1)[:, None]
     return xp.where(xp.asarray(np.asarray(t) > 0)[:, None], keep, greedy)
 
 
