@@ -29,6 +29,7 @@ from ..checks import cdiv
 from ..errors import ConfigError
 from ._common import (DTYPE_CODES, allow_dynamic_smem, check_decode, contiguous_on_device,
                       fn_attr, is_cupy, kernel, load_source, sm_count, to_dtype)
+from .pdl import launch
 from .reference import decode_numpy
 
 __all__ = ["paged_decode_attention", "decode_plan", "DecodePlan", "choose_num_splits",
@@ -185,14 +186,14 @@ class DecodePlan:
             part_o, part_lse = scratch[:n * d], scratch[n * d:n * (d + 1)]
         else:
             part_o = part_lse = out                      # unused by the kernel
-        self._fn((self.num_splits, kv_heads, batch), (self.threads,),
-                 (q, cache, block_tables, seq_lens, out, part_o, part_lse, np.int32(kv_heads),
-                  np.int32(block_tables.shape[1]), np.int32(self.split_tokens),
-                  np.float32(scale * 1.4426950408889634)),   # log2(e): the kernels use exp2
-                 shared_mem=self.smem_bytes if self.path == "tensor-cores" else 0)
+        launch(self._fn, (self.num_splits, kv_heads, batch), (self.threads,),
+               (q, cache, block_tables, seq_lens, out, part_o, part_lse, np.int32(kv_heads),
+                np.int32(block_tables.shape[1]), np.int32(self.split_tokens),
+                np.float32(scale * 1.4426950408889634)),   # log2(e): the kernels use exp2
+               shared_mem=self.smem_bytes if self.path == "tensor-cores" else 0)
         if self._merge is not None:
-            self._merge((batch * q_heads,), (min(d, 256),),
-                        (part_o, part_lse, out, np.int32(self.num_splits), np.int32(d)))
+            launch(self._merge, (batch * q_heads,), (min(d, 256),),
+                   (part_o, part_lse, out, np.int32(self.num_splits), np.int32(d)))
         return out
 
 

@@ -20,6 +20,30 @@
 // Minus infinity, spelled as its bit pattern (no headers needed).
 #define NEG_INF __uint_as_float(0xff800000u)
 
+// ---- programmatic dependent launch (pagedkv/kernels/pdl.py) -------------------------
+// Launched with programmatic stream serialization, a kernel may start while the kernel
+// before it in the stream still runs. It must call wait_for_prior_grid() before it reads
+// anything that kernel writes, or writes anything it reads; before the wait it may only do
+// work on inputs nobody writes, such as asking L2 for its weights (prefetch_row). Launched
+// the ordinary way, the wait returns at once. let_next_grid_start() lets the kernel after
+// this one begin to launch (that one still waits for this one to end).
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_grid_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+// One warp asks L2 for the 128-byte lines of row n of a [rows][row_bytes] array.
+__device__ __forceinline__ void prefetch_row(const void* a, long long n, int row_bytes) {
+    const char* row = (const char*)a + n * row_bytes;
+    for (int b = (threadIdx.x % 32) * 128; b < row_bytes; b += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(row + b));
+}
+
 // ---- stored numbers <-> float32 ---------------------------------------------------
 // Num<DT>::load(p, i) reads number i of an array as float32; unpack widens the numbers of
 // one 16-byte load; store writes one number back in the stored type.
@@ -160,6 +184,8 @@ template <int DT>
 __global__ void merge_splits(const float* __restrict__ part_o,
                              const float* __restrict__ part_lse, void* __restrict__ out,
                              int num_splits, int head_dim) {
+    wait_for_prior_grid();
+    let_next_grid_start();
     const long long qrow = blockIdx.x;
     const float* lse = part_lse + qrow * num_splits;
     float mx = NEG_INF;

@@ -134,6 +134,8 @@ __global__ void silu_mul(const void* __restrict__ gate_up, void* __restrict__ ou
 template <int DT>
 __global__ void embed(const int* __restrict__ tokens, const void* __restrict__ table,
                       void* __restrict__ out, int width) {
+    wait_for_prior_grid();
+    let_next_grid_start();
     const long long src = (long long)tokens[blockIdx.x] * width;
     const long long dst = (long long)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x)
@@ -146,6 +148,8 @@ __global__ void embed(const int* __restrict__ tokens, const void* __restrict__ t
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ out, int n) {
     __shared__ float best_v[1024];
     __shared__ int best_i[1024];
+    wait_for_prior_grid();
+    let_next_grid_start();
     const float* row = logits + (long long)blockIdx.x * n;
     float v = NEG_INF;
     int idx = 0x7fffffff;

@@ -24,6 +24,7 @@ import numpy as np
 from .. import backend
 from ..errors import ConfigError
 from ._common import DTYPE_CODES, dtype_name, is_cupy, kernel, load_source
+from .pdl import launch
 
 __all__ = ["rms_norm", "rope_write_kv", "silu_mul", "embed", "argmax_rows", "FUSED_SOURCE"]
 
@@ -107,8 +108,8 @@ def embed(tokens, table, out=None):
     """Rows ``table[tokens]`` (``tokens`` int32 [T], ``table`` [vocab, width])."""
     out = _out(out, (tokens.shape[0], table.shape[1]), table.dtype, table)
     if is_cupy(table):
-        _fn("embed", table)((tokens.shape[0],), (256,),
-                            (tokens, table, out, np.int32(table.shape[1])))
+        launch(_fn("embed", table), (tokens.shape[0],), (256,),
+               (tokens, table, out, np.int32(table.shape[1])))
         return out
     out[...] = table[tokens]
     return out
@@ -121,7 +122,7 @@ def argmax_rows(logits, out=None):
     out = _out(out, (logits.shape[0],), np.int32, logits)
     if is_cupy(logits):
         fn = kernel(load_source(FUSED_SOURCE), "argmax_rows")
-        fn((logits.shape[0],), (1024,), (logits, out, np.int32(logits.shape[1])))
+        launch(fn, (logits.shape[0],), (1024,), (logits, out, np.int32(logits.shape[1])))
         return out
     out[...] = np.argmax(logits, axis=1)
     return out

@@ -24,6 +24,7 @@ from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
 from ._common import DTYPE_CODES, dtype_name, is_cupy, kernel, load_source, sm_count
+from .pdl import launch
 
 __all__ = ["gemm"]
 
@@ -130,8 +131,8 @@ def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False,
     if method == "gemv" or (method == "auto" and fits and m <= GEMV_AUTO_ROWS):
         name = f"gemv_t<{DTYPE_CODES[t_ab]}, {DTYPE_CODES[t_out]}, {m}>"
         fn = kernel(load_source("gemv.cu"), name)
-        fn((min(cdiv(n, 8), 8 * sm_count()),), (256,),
-           (a, b, out, np.int32(k), np.int32(n), np.int32(accumulate)))
+        launch(fn, (min(cdiv(n, 8), 8 * sm_count()),), (256,),
+               (a, b, out, np.int32(k), np.int32(n), np.int32(accumulate)))
         return out
     cb = _cublas()
     cb.set_stream(backend.xp.cuda.get_current_stream().ptr)

@@ -20,6 +20,10 @@ template <int DT, int DT_OUT, int M>
 __global__ void gemv_t(const void* __restrict__ x, const void* __restrict__ w,
                        void* __restrict__ out, int K, int N, int accumulate) {
     __shared__ float xs[M * MAX_K];                  // the M rows of x, widened once
+    const int first = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (first < N) prefetch_row(w, first, K * (16 / Num<DT>::PER_VEC));  // while waiting
+    wait_for_prior_grid();                           // x (and out) come from kernels before
+    let_next_grid_start();
     for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = Num<DT>::load(x, i);
     __syncthreads();
     const int lane = threadIdx.x % 32;

@@ -94,6 +94,13 @@ __global__ void norm_gemv_t(const void* __restrict__ x, const void* __restrict__
                             float eps, const void* __restrict__ w, void* __restrict__ out,
                             int K, int N) {
     __shared__ float xs[M * NORM_MAX_K];              // the M normalized rows, widened once
+    const int first = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (first < N) {                                  // this warp's first rows, into L2
+        prefetch_row(w, first, K * (16 / Num<DT>::PER_VEC));
+        if (SILU) prefetch_row(w, (long long)N + first, K * (16 / Num<DT>::PER_VEC));
+    }
+    wait_for_prior_grid();                            // x comes from the kernel before
+    let_next_grid_start();
     normalize_rows<DT, M>(x, norm_w, eps, K, xs);
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
@@ -135,10 +142,18 @@ __global__ void norm_gemv_rope_t(const void* __restrict__ x, const void* __restr
                                  void* __restrict__ cache, int K, int q_heads, int kv_heads,
                                  int D, int block_size) {
     __shared__ float xs[M * NORM_MAX_K];
-    normalize_rows<DT, M>(x, norm_w, eps, K, xs);
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
     const int half = D / 2, N = (q_heads + 2 * kv_heads) * D;
+    const int first = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (first < N / 2) {                              // this warp's first pair, into L2
+        const int n = first / half * D + first % half;
+        prefetch_row(w, n, K * (16 / Num<DT>::PER_VEC));
+        prefetch_row(w, n + half, K * (16 / Num<DT>::PER_VEC));
+    }
+    wait_for_prior_grid();            // x from the kernel before; the cache read by others
+    let_next_grid_start();
+    normalize_rows<DT, M>(x, norm_w, eps, K, xs);
     for (int p = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; p < N / 2; p += warps) {
         const int head = p / half, i = p % half, n = head * D + i;  // q, then k, then v heads
         float acc[M], acc2[M];                   // outputs n and n + D/2 of each row

@@ -28,6 +28,7 @@ from ._common import (DTYPE_CODES, check_int32, dtype_name, is_cupy, kernel, loa
                       sm_count)
 from .fused import FUSED_SOURCE, rms_norm, rope_write_kv, silu_mul
 from .gemm import GEMV_MAX_ROWS
+from .pdl import launch
 
 __all__ = ["norm_gemv", "norm_gemv_rope", "norm_gemv_rope_unfused", "NORM_GEMV_SOURCE"]
 
@@ -62,8 +63,8 @@ def norm_gemv(x, norm_w, eps: float, w, out, *, silu: bool = False):
     _check_launch(x, (x, "x"), (w, "w"), (out, "out"))
     dt, dt_out = DTYPE_CODES[dtype_name(x)], DTYPE_CODES[dtype_name(out)]
     fn = kernel(_source(), f"norm_gemv_t<{dt}, {dt_out}, {m}, {int(silu)}>")
-    fn((min(cdiv(n, 8), 8 * sm_count()),), (256,),
-       (x, norm_w, np.float32(eps), w, out, np.int32(k), np.int32(n)))
+    launch(fn, (min(cdiv(n, 8), 8 * sm_count()),), (256,),
+           (x, norm_w, np.float32(eps), w, out, np.int32(k), np.int32(n)))
     return out
 
 
@@ -113,10 +114,10 @@ def norm_gemv_rope(x, norm_w, eps: float, w, qkv, positions, slots, cos, sin, q_
                           f"dtype (got {sorted(dts)}) and float32 cos, sin (got {cos.dtype}, "
                           f"{sin.dtype})")
     fn = kernel(_source(), f"norm_gemv_rope_t<{DTYPE_CODES[dtype_name(x)]}, {m}>")
-    fn((min(cdiv(n // 2, 8), 8 * sm_count()),), (256,),
-       (x, norm_w, np.float32(eps), w, qkv, positions, slots, cos, sin, q_out, cache,
-        np.int32(k), np.int32(q_heads), np.int32(kv_heads), np.int32(d),
-        np.int32(cache.shape[2])))
+    launch(fn, (min(cdiv(n // 2, 8), 8 * sm_count()),), (256,),
+           (x, norm_w, np.float32(eps), w, qkv, positions, slots, cos, sin, q_out, cache,
+            np.int32(k), np.int32(q_heads), np.int32(kv_heads), np.int32(d),
+            np.int32(cache.shape[2])))
     return q_out
 
 

@@ -52,6 +52,8 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     const int grp = warp * GPW + lane / TPT;  // my token group
     const int lig = lane % TPT;               // my place in it: chunks lig, lig+TPT, ...
 
+    wait_for_prior_grid();    // q was written by the kernel before (pdl.py)
+    let_next_grid_start();
     const int len = seq_lens[b];
     const int t_begin = split * split_tokens;                 // this split's tokens:
     const int t_end = min(len, t_begin + split_tokens);       //   [t_begin, t_end)

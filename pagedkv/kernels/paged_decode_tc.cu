@@ -62,6 +62,8 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     const int num_splits = gridDim.x, q_heads = kv_heads * GROUP;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane / 4, tig = lane % 4;
+    wait_for_prior_grid();    // q was written by the kernel before (pdl.py)
+    let_next_grid_start();
     const int len = seq_lens[b];
     const int t_begin = split * split_tokens;
     const int t_end = min(len, t_begin + split_tokens);

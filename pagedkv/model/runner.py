@@ -36,6 +36,7 @@ from ..kernels import decode_plan, paged_decode_attention
 from ..kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mul
 from ..kernels.gemm import GEMV_AUTO_ROWS, GEMV_MAX_ROWS, gemm
 from ..kernels.norm_gemv import norm_gemv, norm_gemv_rope
+from ..kernels.pdl import programmatic
 from ..kernels.q4_gemv import Q4_MAX_ROWS, q4_gemv
 from ..swap import copy_to_device, copy_to_host
 from .llama import KERNEL_BLOCK_SIZES, Batch, Llama, PagedKV, forward
@@ -44,7 +45,12 @@ from .launch import DecodeLaunches, Launched
 from .prefill_pass import GRAPH_PREFILL_TOKENS, PrefillPasses
 
 __all__ = ["ModelRunner", "FastRunner", "make_runner", "buckets", "graph_node_count",
-           "GRAPH_PREFILL_TOKENS"]
+           "GRAPH_PREFILL_TOKENS", "PDL_AUTO_ROWS"]
+
+#: Decode passes of at most this many rows launch programmatically by default (each kernel
+#: may start while the one before it ends): faster on the H200 at 1, 2 and 8 rows, no faster
+#: at 64 and 256, where cuBLAS's kernels sit between ours (perf/LOG.md, 2026-12-04).
+PDL_AUTO_ROWS = 8
 
 
 class ModelRunner:
@@ -133,14 +139,17 @@ class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
     from ``q4_blocks``, the GGUF's Q4_1 blocks (:func:`~pagedkv.model.gguf.load_q4_blocks`),
     through :func:`~pagedkv.kernels.q4_gemv.q4_gemv`; larger passes, eager prefills and the
     output head read fp16 (``fold_rows`` then defaults to 0: a folded pass reads q|k|v and
-    gate|up in fp16).
+    gate|up in fp16). ``pdl`` launches a decode pass's own kernels programmatically on a
+    Hopper GPU or later, each starting while the one before it ends
+    (:mod:`pagedkv.kernels.pdl`; elsewhere it changes nothing): by default for passes of at
+    most ``PDL_AUTO_ROWS`` rows, where it measured faster on the H200 (perf/LOG.md).
     """
 
     def __init__(self, model: Llama, kv: PagedKV, *, max_batch: int = 256,
                  max_context: int | None = None, graphs: bool | None = None,
                  gemm_method: str = "auto", single_pass: bool = False,
                  fold_rows: int | None = None, weights: str = "fp16",
-                 q4_blocks: dict | None = None):
+                 q4_blocks: dict | None = None, pdl: bool | None = None):
         super().__init__(model, kv)
         if weights not in ("fp16", "q4_1") or (weights == "q4_1") != (q4_blocks is not None):
             raise ConfigError(f"weights must be 'fp16' or 'q4_1' (with q4_blocks, and only "
@@ -159,6 +168,7 @@ class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
         if isinstance(fold_rows, bool) or not 0 <= fold_rows <= GEMV_MAX_ROWS:
             raise ConfigError(f"fold_rows must be 0 to {GEMV_MAX_ROWS}, got {fold_rows!r}")
         self.fold_rows = fold_rows
+        self.pdl = None if pdl is None else bool(pdl)
         if kv.block_size not in KERNEL_BLOCK_SIZES:
             raise ConfigError(f"the fast runner decodes with block sizes "
                               f"{KERNEL_BLOCK_SIZES}, not {kv.block_size}")
@@ -227,14 +237,16 @@ class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
     # ------------------------------------------------------------------ one decode pass
     def _pass(self, v: _Views) -> None:
         """The decode step's arithmetic into bucket ``v``'s buffers: what a graph captures."""
-        self._layers(v, self._attend)
-        m, g = self.model, self.gemm_method
-        if self._folds(v):                         # the final norm inside the head's launch
-            norm_gemv(v.x, m.norm, m.config.norm_eps, m.embedding, v.logits)
-        else:
-            rms_norm(v.x, m.norm, m.config.norm_eps, out=v.h)
-            gemm(v.h, m.embedding, v.logits, transpose_b=True, method=g)            # the output head
-        argmax_rows(v.logits, out=v.greedy)
+        rows = v.x.shape[0]
+        with programmatic(self.pdl if self.pdl is not None else rows <= PDL_AUTO_ROWS):
+            self._layers(v, self._attend)
+            m, g = self.model, self.gemm_method
+            if self._folds(v):                     # the final norm inside the head's launch
+                norm_gemv(v.x, m.norm, m.config.norm_eps, m.embedding, v.logits)
+            else:
+                rms_norm(v.x, m.norm, m.config.norm_eps, out=v.h)
+                gemm(v.h, m.embedding, v.logits, transpose_b=True, method=g)    # output head
+            argmax_rows(v.logits, out=v.greedy)
 
     def _layers(self, v: _Views, attend) -> None:
         """Every layer over the rows of ``v``: the residual stream ``v.x`` from the token

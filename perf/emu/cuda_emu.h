@@ -136,6 +136,12 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 
 #define NEG_INF __uint_as_float(0xff800000u)
 
+// Programmatic dependent launch (common.cuh): the emulator runs one grid at a time, CTA
+// after CTA, so the grid before has always ended and there is no L2 to ask.
+inline void wait_for_prior_grid() {}
+inline void let_next_grid_start() {}
+inline void prefetch_row(const void*, long long, int) {}
+
 // ---- 16-bit numbers ------------------------------------------------------------------
 inline float half_to_float(uint16_t h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
 inline uint16_t float_to_half(float f) { _Float16 x = (_Float16)f; uint16_t h; std::memcpy(&h, &x, 2); return h; }
