@@ -40,6 +40,17 @@ def test_structures_are_laid_out_as_in_cuda_h():
             pdl._Config.attrs.offset, pdl._Config.num_attrs.offset) == (24, 32, 40, 48)
 
 
+def test_a_launch_configuration_is_built_once_per_shape_and_stream():
+    """The eager pass launches the same shapes again and again: one configuration each,
+    asking for programmatic serialization (attribute 6, value 1)."""
+    a = pdl._config((4, 1, 1), (128, 1, 1), 16, 1234)
+    assert pdl._config((4, 1, 1), (128, 1, 1), 16, 1234) is a
+    assert pdl._config((4, 1, 1), (128, 1, 1), 16, 5678) is not a      # another stream
+    assert (tuple(a.grid), tuple(a.block), a.shared_mem, a.stream, a.num_attrs) == (
+        (4, 1, 1), (128, 1, 1), 16, 1234, 1)
+    assert (a.attrs[0].id, a.attrs[0].value[0]) == (6, 1)
+
+
 class _Recorder:
     def __init__(self):
         self.calls = []

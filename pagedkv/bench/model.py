@@ -45,11 +45,13 @@ import numpy as np
 
 from .. import backend
 from ..checks import cdiv
+from ..kernels.pdl import programmatic_available
 from ..model import llama as llama_mod
 from ..model import sampling as sampling_mod
 from ..model.blas import single_thread_blas
 from ..model.engine import Engine
 from ..model.requests import SamplingParams
+from ..model.runner import PDL_AUTO_ROWS
 
 QUESTION = "What is the capital of France?"
 IDENTITY_PROMPTS = [(QUESTION, True), (QUESTION, False),
@@ -352,6 +354,8 @@ def run(args) -> dict:
          "engines": {"pagedkv_plain": "runner='plain', bookkeeping='teaching'",
                      "pagedkv_eager": "runner='fast-eager', bookkeeping='fast'",
                      "pagedkv_graph": "runner='fast', bookkeeping='fast'"},
+         "programmatic_launch": {"available": programmatic_available(),
+                                 "passes_of_rows_at_most": PDL_AUTO_ROWS},
          "pagedkv_plain": {}, "pagedkv_eager": {}, "pagedkv_graph": {}, "floor": {},
          "breakdown_ms": {}}
     print(f"model: SmolLM2-135M-Instruct, {model.dtype} on {backend.name}; prompt "

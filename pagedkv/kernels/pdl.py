@@ -95,6 +95,18 @@ def _holder(a):
                       f"arguments (their C types are known), got {type(a).__name__}")
 
 
+_ATTRIBUTE = _Attribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+_ATTRIBUTE.value[0] = 1                            # programmaticStreamSerializationAllowed
+
+
+@functools.lru_cache(maxsize=4096)
+def _config(grid, block, shared_mem, stream):
+    """The launch configuration of one shape on one stream, built once: an eager pass
+    launches the same few shapes again and again."""
+    return _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                   stream, ctypes.pointer(_ATTRIBUTE), 1)
+
+
 def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
     """``fn(grid, block, args, shared_mem=shared_mem)``, programmatically inside
     :func:`programmatic` (``fn`` must then wait with ``wait_for_prior_grid()`` before it
@@ -103,15 +115,11 @@ def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
         fn(grid, block, args, shared_mem=shared_mem)
         return
     from .. import backend
-    grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    config = _config((tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3],
+                     int(shared_mem), backend.xp.cuda.get_current_stream().ptr)
     holders = [_holder(a) for a in args]
     params = (ctypes.c_void_p * max(len(holders), 1))(
         *[ctypes.addressof(h) for h in holders])
-    attr = _Attribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1                              # programmaticStreamSerializationAllowed
-    config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
-                     int(shared_mem), backend.xp.cuda.get_current_stream().ptr,
-                     ctypes.pointer(attr), 1)
     status = _driver()(ctypes.byref(config), getattr(fn, "kernel", fn).ptr, params, None)
     if status != 0:
         raise ConfigError(f"cuLaunchKernelEx failed with CUDA driver error {status}")
