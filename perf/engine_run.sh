@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The engine's GPU checks and measurements on a CUDA machine without a package index: the
-# model file joined from its parts (an earlier call copies .bigfile/part00 to
-# /tmp/model.part00; this one brings .bigfile/part01, .bigfile/sha256 and the wheels in
-# .whls), then the STEPS asked for, each under its own time limit, logs and JSON under $OUT:
+# model file joined from its parts (each earlier call copies the part it carried to /tmp;
+# this one brings the last part, .bigfile/sha256 and the wheels in .whls: perf/device_env.sh),
+# then the STEPS asked for, each under its own time limit, logs and JSON under $OUT:
 #   tests    the single pass's, the runner's and the prefill kernel's tests (GPU cases run)
 #   mixed    perf/mixed_step.py: a mixed step as two passes and as one, beside a decode step
 #   trace    perf/step_trace.py: decode steps traced (launches, kernels, graph nodes)

@@ -13,19 +13,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 from unittest import mock
 
 import numpy as np
 
+from decode_timing import SMOL, batch_of, time_decode
 from pagedkv.kernels.norm_gemv import norm_gemv_rope_unfused
-from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
+from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model import runner as runner_module
-from pagedkv.model.llama import Batch
 from pagedkv.model.runner import FastRunner
-
-SMOL = LlamaConfig(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3,
-                   head_dim=64, ffn=1536, rope_base=100000.0, context=2048)
 
 
 def measure(model, fold_rows: int, rope_fold: bool = True, steps: int = 200) -> dict:
@@ -39,20 +35,8 @@ def measure(model, fold_rows: int, rope_fold: bool = True, steps: int = 200) -> 
 def _measure(model, fold_rows: int, steps: int) -> dict:
     kv = PagedKV.for_model(model, 64, 16)
     runner = FastRunner(model, kv, max_batch=1, max_context=1024, fold_rows=fold_rows)
-    one = np.ones(1, np.int32)
-    batch = Batch(one, one * 100, one * 100, one, one * 101, np.arange(7, dtype=np.int32)[None],
-                  np.zeros((0, 2), np.int32))
-    for _ in range(5):
-        _, greedy = runner.decode(batch)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        runner.decode(batch)
-        times.append(time.perf_counter() - t)
-    return dict(fold_rows=fold_rows, nodes=runner.graph_nodes(1),
-                step_ms_median=1e3 * float(np.median(times)),
-                step_ms_min=1e3 * float(np.min(times)),
-                greedy=int(greedy[0]))
+    row, _ = time_decode(runner, batch_of(1), steps)
+    return dict(fold_rows=fold_rows) | row
 
 
 def main():

@@ -14,44 +14,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 
 import numpy as np
 
+from decode_timing import BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode
 from pagedkv.kernels.pdl import programmatic_available
-from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
-from pagedkv.model.llama import Batch
+from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.runner import FastRunner
-
-SMOL = LlamaConfig(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3,
-                   head_dim=64, ffn=1536, rope_base=100000.0, context=2048)
-POSITION, BLOCK_SIZE, BLOCKS_PER_ROW = 100, 16, 8
-
-
-def batch_of(b: int) -> Batch:
-    """``b`` decode rows, row i at POSITION in blocks i*8 .. i*8+7."""
-    tables = np.arange(b * BLOCKS_PER_ROW, dtype=np.int32).reshape(b, BLOCKS_PER_ROW)
-    slots = tables[:, POSITION // BLOCK_SIZE] * BLOCK_SIZE + POSITION % BLOCK_SIZE
-    one = np.ones(b, np.int32)
-    tokens = (np.arange(b, dtype=np.int32) * 37 + 11) % SMOL.vocab_size
-    return Batch(tokens, one * POSITION, slots.astype(np.int32), one, one * (POSITION + 1),
-                 tables, np.zeros((0, 2), np.int32))
 
 
 def measure(model, kv, b: int, pdl: bool, steps: int) -> tuple[dict, np.ndarray]:
     runner = FastRunner(model, kv, max_batch=max(b, 1), max_context=1024, pdl=pdl)
-    batch = batch_of(b)
-    for _ in range(5):
-        logits, greedy = runner.decode(batch)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        runner.decode(batch)
-        times.append(time.perf_counter() - t)
-    return (dict(bucket=b, pdl=pdl, nodes=runner.graph_nodes(runner._bucket(b)),
-                 step_ms_median=1e3 * float(np.median(times)),
-                 step_ms_min=1e3 * float(np.min(times)), greedy_first=int(greedy[0])),
-            model.xp.asnumpy(logits))
+    row, logits = time_decode(runner, batch_of(b), steps)
+    return dict(bucket=b, pdl=pdl) | row, host(logits)
 
 
 def main():

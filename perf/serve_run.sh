@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # In-process serving benchmarks on a CUDA machine without a package index, in one call: the
-# model file joined from its parts (an earlier call copies .bigfile/part00 to /tmp/model.part00,
-# this one brings .bigfile/part01, .bigfile/sha256 and the gguf wheel in .whls), then python -m pagedkv.bench.serve on
+# model file joined from its parts (each earlier call copies the part it carried to /tmp; this
+# one brings the last part, .bigfile/sha256 and the wheels in .whls: perf/device_env.sh), then
+# python -m pagedkv.bench.serve on
 # nano-vllm's workload and on the spike (one 4,096-token prompt into 64 decodes) at each token
 # budget of BUDGETS. JSON and logs under $OUT, named $NAME-*.
 # Usage: NAME=serve-h200-DATE-TAG BUDGETS="256 512 2048" bash perf/serve_run.sh [bench flags]

@@ -233,7 +233,7 @@ def test_rope_write_kv_kernel_equals_reference(dtype):
 @pytest.mark.parametrize("transpose_b", [False, True])
 @pytest.mark.parametrize("m,k", [(1, 576), (3, 1536), (8, 576), (64, 576)])
 def test_gemm_equals_float64(m, k, accumulate, transpose_b, method):
-    """cuBLAS, and the few-row kernel (transposed, M <= 8; "auto" takes it for one row)."""
+    """cuBLAS, and the few-row kernel (transposed, M <= 8; "auto" takes it up to 2 rows)."""
     if method == "gemv" and (not transpose_b or m > 8):
         pytest.skip("the few-row kernel takes b transposed and at most 8 rows")
     cp, rng = backend.xp, np.random.default_rng(7)
@@ -365,3 +365,39 @@ def test_graph_node_count_counts_captured_kernels():
     runner.capture_all()
     ops = sum(sol12.count_operations(TINY.layers).values())
     assert all(runner.graph_nodes(b) >= ops for b in runner.buckets)
+
+
+@gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_attention_merges_its_own_splits(graphs):
+    """With ``merge_in_attention``, where a bucket's attention is split, the last split
+    merges (no merge launch): one node a layer fewer than the default runner (the separate
+    merge kernel), and the same logits and tokens bit for bit, step after step."""
+    m16 = Llama(TINY, random_weights(TINY, SEED), dtype=np.float16)
+    runners = []
+    for in_attention in (True, False):
+        kv = PagedKV.for_model(m16, 64, 16)
+        r = FastRunner(m16, kv, max_batch=2, max_context=512, graphs=graphs,
+                       merge_in_attention=in_attention)
+        for b in r.buckets:
+            v = r._view(b)
+            assert v.plan.num_splits > 1 and (v.counters is not None) == in_attention, b
+        runners.append(r)
+    rng = np.random.default_rng(SEED)
+    for step in range(3):
+        n = 1 + step % 2
+        pos = np.full(n, 40 + step, np.int32)
+        tables = np.arange(n * 32, dtype=np.int32).reshape(n, 32)
+        slots = (tables[np.arange(n), pos // 16] * 16 + pos % 16).astype(np.int32)
+        batch = Batch(rng.integers(1, TINY.vocab_size, n).astype(np.int32), pos, slots,
+                      np.ones(n, np.int32), pos + 1, tables, np.zeros((0, 2), np.int32))
+        (la, ga), (lb, gb) = (r.decode(batch) for r in runners)
+        assert np.array_equal(_host(la), _host(lb)), step
+        assert np.array_equal(_host(ga), _host(gb)), step
+    if graphs:
+        for b in (1, 2):
+            assert runners[0].graph_nodes(b) == runners[1].graph_nodes(b) - TINY.layers, b
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)

@@ -179,26 +179,69 @@ template <> __device__ __forceinline__ void mma16816<2>(float* d, const unsigned
 // ---- merging partial softmaxes ----------------------------------------------------
 // Split i of a query head saw weights summing to 2^lse_i and produced o_i, normalised.
 // The softmax over all splits is out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M), M =
-// max lse_i. One CTA per query head (blockIdx.x), thread d makes output number d.
+// max lse_i. merge_split_row makes query row qrow's outputs d = first, first + stride, ...
+// It reads the splits' results through L2 (__ldcg): other CTAs, on other SMs, wrote them.
+template <int DT>
+__device__ __forceinline__ void merge_split_row(const float* part_o, const float* part_lse,
+                                                void* out, long long qrow, int num_splits,
+                                                int head_dim, int first, int stride) {
+    const float* lse = part_lse + qrow * num_splits;
+    float mx = NEG_INF;
+    #pragma unroll 8
+    for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, __ldcg(lse + i));
+    for (int d = first; d < head_dim; d += stride) {
+        float lsum = 0.f, o = 0.f;
+        if (mx > NEG_INF) {
+            #pragma unroll 8
+            for (int i = 0; i < num_splits; ++i) {
+                const float w = exp2f(__ldcg(lse + i) - mx);
+                lsum += w;
+                o += w * __ldcg(part_o + (qrow * num_splits + i) * head_dim + d);
+            }
+        }
+        Num<DT>::store(out, qrow * head_dim + d, lsum > 0.f ? o / lsum : 0.f);
+    }
+}
+
+// The merge as a kernel of its own, launched after the splits: one CTA per query head
+// (blockIdx.x), thread d makes output number d.
 template <int DT>
 __global__ void merge_splits(const float* __restrict__ part_o,
                              const float* __restrict__ part_lse, void* __restrict__ out,
                              int num_splits, int head_dim) {
     wait_for_prior_grid();
     let_next_grid_start();
-    const long long qrow = blockIdx.x;
-    const float* lse = part_lse + qrow * num_splits;
-    float mx = NEG_INF;
-    for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, lse[i]);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float lsum = 0.f, o = 0.f;
-        if (mx > NEG_INF) {
-            for (int i = 0; i < num_splits; ++i) {
-                const float w = exp2f(lse[i] - mx);
-                lsum += w;
-                o += w * part_o[(qrow * num_splits + i) * head_dim + d];
-            }
+    merge_split_row<DT>(part_o, part_lse, out, blockIdx.x, num_splits, head_dim, threadIdx.x,
+                        blockDim.x);
+}
+
+// Or inside the attention kernel, without a launch: each split's CTA, once its results are
+// written, counts itself in *counter (one counter per sequence and kv head, zero before
+// the launch); the CTA that counts last knows that every other split has written, merges,
+// and sets the counter back to zero for the next launch (a CUDA graph replays the same
+// counters). After the barrier, one thread's fence makes the CTA's writes visible to the
+// GPU before it counts (as CUTLASS's split-K semaphore does); the last CTA's fence orders
+// its reads after the count.
+__device__ __forceinline__ bool arrived_last(unsigned* counter, int num_splits) {
+    __shared__ int last;
+    __syncthreads();                      // every thread of this CTA has written
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(counter, 1u) == (unsigned)(num_splits - 1);
+        if (last) {
+            atomicExch(counter, 0u);
+            __threadfence();
         }
-        Num<DT>::store(out, qrow * head_dim + d, lsum > 0.f ? o / lsum : 0.f);
     }
+    __syncthreads();
+    return last;
+}
+
+// The last split's merge: the GROUP query heads of one kv head, one output number a thread.
+template <int DT, int GROUP, int HEAD_DIM>
+__device__ __forceinline__ void merge_group(const float* part_o, const float* part_lse,
+                                            void* out, long long first_row, int num_splits) {
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x)
+        merge_split_row<DT>(part_o, part_lse, out, first_row + i / HEAD_DIM, num_splits,
+                            HEAD_DIM, i % HEAD_DIM, HEAD_DIM);
 }

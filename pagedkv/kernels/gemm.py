@@ -91,8 +91,10 @@ def _rows(a, name: str):
 
 #: The most rows the few-row kernel (``gemv.cu``) takes, and the longest row (its shared
 #: memory); ``"auto"`` takes it up to GEMV_AUTO_ROWS rows, where it beat cuBLAS on the H200
-#: (perf/LOG.md: 0.99 against 1.06 ms a batch-1 step; at 8 rows it lost, 2.6 against 1.1).
-GEMV_MAX_ROWS, GEMV_MAX_K, GEMV_AUTO_ROWS = 8, 1536, 1
+#: (perf/LOG.md: 0.99 against 1.06 ms a batch-1 step; a 2-row step, its norms folded and
+#: launched programmatically, 1.020 against 1.106; at 4 and 8 rows it lost, 1.52 against
+#: 1.17 and 3.46 against 1.18: perf/results/rows-h200-2026-12-04.json).
+GEMV_MAX_ROWS, GEMV_MAX_K, GEMV_AUTO_ROWS = 8, 1536, 2
 
 
 def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False,
@@ -103,7 +105,7 @@ def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False,
 
     On a GPU, ``method`` ``"cublas"`` calls cuBLAS; ``"gemv"`` our kernel for a few rows
     (``gemv.cu``: ``transpose_b``, M at most 8, K a multiple of 8 up to 1536); ``"auto"``
-    takes the kernel for one row, cuBLAS otherwise."""
+    takes the kernel for up to ``GEMV_AUTO_ROWS`` (2) rows, cuBLAS otherwise."""
     m, k = _rows(a, "a")
     n = b.shape[0] if transpose_b else b.shape[1]
     if (b.shape[1] if transpose_b else b.shape[0]) != k or tuple(out.shape) != (m, n):

@@ -121,6 +121,7 @@ class _Views(NamedTuple):
     greedy: object     # int32 [b]
     plan: object       # the attention's launch for this bucket (GPU), or None
     scratch: object    # its split results (GPU), or None
+    counters: object = None      # its splits' merge counters (GPU, with splits), or None
     query_start: object = None   # a prefill's: where each sequence's rows begin
 
 
@@ -133,7 +134,7 @@ class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
     ``graphs=False`` runs the same kernels one by one (the eager path, for debugging);
     ``gemm_method`` picks cuBLAS or the few-row kernel (:func:`~pagedkv.kernels.gemm.gemm`);
     a pass of at most ``fold_rows`` rows (default: where ``"auto"`` takes the few-row kernel,
-    one row) folds each RMSNorm, and SwiGLU, into the projection after it (``norm_gemv``);
+    up to 2 rows) folds each RMSNorm, and SwiGLU, into the projection after it (``norm_gemv``);
     ``single_pass`` offers the engine :meth:`mixed`: a step's prefill and decode rows in one
     pass. ``weights="q4_1"`` reads the four projections of a decode pass of at most 8 rows
     from ``q4_blocks``, the GGUF's Q4_1 blocks (:func:`~pagedkv.model.gguf.load_q4_blocks`),
@@ -143,13 +144,17 @@ class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
     Hopper GPU or later, each starting while the one before it ends
     (:mod:`pagedkv.kernels.pdl`; elsewhere it changes nothing): by default for passes of at
     most ``PDL_AUTO_ROWS`` rows, where it measured faster on the H200 (perf/LOG.md).
+    ``merge_in_attention`` has a split attention merge its own pieces (the split that ends
+    last merges them; :meth:`~pagedkv.kernels.attention.DecodePlan.run`): one node a layer
+    fewer, the same bits, but measured slower on the H200 (perf/LOG.md), so off by default.
     """
 
     def __init__(self, model: Llama, kv: PagedKV, *, max_batch: int = 256,
                  max_context: int | None = None, graphs: bool | None = None,
                  gemm_method: str = "auto", single_pass: bool = False,
                  fold_rows: int | None = None, weights: str = "fp16",
-                 q4_blocks: dict | None = None, pdl: bool | None = None):
+                 q4_blocks: dict | None = None, pdl: bool | None = None,
+                 merge_in_attention: bool = False):
         super().__init__(model, kv)
         if weights not in ("fp16", "q4_1") or (weights == "q4_1") != (q4_blocks is not None):
             raise ConfigError(f"weights must be 'fp16' or 'q4_1' (with q4_blocks, and only "
@@ -169,6 +174,7 @@ class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
             raise ConfigError(f"fold_rows must be 0 to {GEMV_MAX_ROWS}, got {fold_rows!r}")
         self.fold_rows = fold_rows
         self.pdl = None if pdl is None else bool(pdl)
+        self.merge_in_attention = bool(merge_in_attention)
         if kv.block_size not in KERNEL_BLOCK_SIZES:
             raise ConfigError(f"the fast runner decodes with block sizes "
                               f"{KERNEL_BLOCK_SIZES}, not {kv.block_size}")
@@ -223,15 +229,17 @@ class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
         B, m = self.max_batch, self._meta
         cut = {name: a[:b] for name, a in self._full.items()}
         tables = m[5 * B:5 * B + b * self.width].reshape(b, self.width)
-        plan = scratch = None
-        c = self.model.config
+        plan = scratch = counters = None
+        c, xp = self.model.config, self.model.xp
         if self.on_gpu:
             plan = decode_plan(cut["q"], self.kv.layers[0], tables)
             n = plan.scratch_floats(b, c.heads, c.head_dim)
-            scratch = self.model.xp.zeros(max(n, 1), np.float32)
+            scratch = xp.zeros(max(n, 1), np.float32)
+            if plan.num_splits > 1 and self.merge_in_attention:   # no merge launch
+                counters = xp.zeros(b * c.kv_heads, np.uint32)
         v = self._views[b] = _Views(m[:b], m[B:B + b], m[2 * B:2 * B + b],
                                     m[3 * B:3 * B + b], tables, plan=plan, scratch=scratch,
-                                    **cut)
+                                    counters=counters, **cut)
         return v
 
     # ------------------------------------------------------------------ one decode pass
@@ -295,7 +303,7 @@ class FastRunner(PrefillPasses, DecodeLaunches, ModelRunner):
         cache = self.kv.layers[i]
         if v.plan is not None:                     # the GPU: the bucket's fixed launch
             v.plan.run(v.q, cache, v.tables, v.seq_lens, out=v.attn, scale=self.model.scale,
-                       scratch=v.scratch)
+                       scratch=v.scratch, counters=v.counters)
         else:
             paged_decode_attention(v.q, cache, v.tables, v.seq_lens, out=v.attn,
                                    scale=self.model.scale)

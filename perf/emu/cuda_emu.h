@@ -142,6 +142,13 @@ inline void wait_for_prior_grid() {}
 inline void let_next_grid_start() {}
 inline void prefetch_row(const void*, long long, int) {}
 
+// Memory shared between CTAs (the attention kernels' merge by their last split, common.cuh):
+// one CTA runs at a time, so a fence has nothing to order and an atomic nothing to race.
+inline void __threadfence() {}
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned o = *p; *p += v; return o; }
+inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned o = *p; *p = v; return o; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+
 // ---- 16-bit numbers ------------------------------------------------------------------
 inline float half_to_float(uint16_t h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
 inline uint16_t float_to_half(float f) { _Float16 x = (_Float16)f; uint16_t h; std::memcpy(&h, &x, 2); return h; }

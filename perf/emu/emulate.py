@@ -65,6 +65,13 @@ int main(int argc, char** argv) {
 """
 
 
+def _merging() -> str:
+    """common.cuh's merging of split results, which the attention kernels call: the same
+    source on the emulator as on the GPU."""
+    common = (ROOT / "pagedkv/kernels/common.cuh").read_text()
+    return common[common.index("// ---- merging partial softmaxes"):] + "\n"
+
+
 def binary(source: str, name: str, main: str, text: str | None = None) -> pathlib.Path:
     """The emulator program for one template instance of a kernel in ``source`` (a file of
     pagedkv/kernels, or ``text`` where the kernel needs more than one), with ``main`` as its
@@ -73,7 +80,8 @@ def binary(source: str, name: str, main: str, text: str | None = None) -> pathli
     decl = "extern __shared__ __align__(16) unsigned short smem[];"
     assert decl in src or text is not None
     src = src.replace(decl, "unsigned short* smem = (unsigned short*)emu::smem;")
-    text = ('#include "cuda_emu.h"\n' + src + f"\n#define KERNEL {name}\n" + main)
+    text = ('#include "cuda_emu.h"\n' + _merging() + src + f"\n#define KERNEL {name}\n"
+            + main)
     key = hashlib.sha1((text + (HERE / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
     exe = CACHE / f"{pathlib.Path(source).stem}_{key}"
     if not exe.exists():
@@ -135,54 +143,85 @@ DECODE_MAIN = r"""
 #include <vector>
 int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[1], "rb");
-    int hdr[8];
+    int hdr[11];
     float scale_log2;
-    if (std::fread(hdr, 4, 8, f) != 8 || std::fread(&scale_log2, 4, 1, f) != 1) return 2;
+    if (std::fread(hdr, 4, 11, f) != 11 || std::fread(&scale_log2, 4, 1, f) != 1) return 2;
     const int batch = hdr[0], q_heads = hdr[1], D = hdr[2], num_blocks = hdr[3], BS = hdr[4],
-              kv_heads = hdr[5], max_blocks = hdr[6], smem = hdr[7];
+              kv_heads = hdr[5], max_blocks = hdr[6], smem = hdr[7], splits = hdr[8],
+              split_tokens = hdr[9], merge_here = hdr[10];
     std::vector<uint16_t> q((size_t)batch * q_heads * D), out(q.size(), 0x7e00);
     std::vector<uint4> cache((size_t)num_blocks * 2 * BS * kv_heads * D / 8);
-    std::vector<int> tables((size_t)batch * max_blocks), lens(batch);
+    std::vector<int> tables((size_t)batch * max_blocks), lens(batch), order(splits);
     auto rd = [&](void* p, size_t n) { if (n && std::fread(p, 1, n, f) != n) std::exit(2); };
     rd(q.data(), q.size() * 2); rd(cache.data(), cache.size() * 16);
     rd(tables.data(), tables.size() * 4); rd(lens.data(), lens.size() * 4);
+    rd(order.data(), order.size() * 4);            // the order the splits' CTAs run in
     std::fclose(f);
+    std::vector<float> part_o((size_t)batch * q_heads * splits * D, NAN),
+                       part_lse((size_t)batch * q_heads * splits, NAN);
+    std::vector<unsigned> counters((size_t)batch * kv_heads, 0u);
     emu::gbase = (const char*)cache.data();
     emu::gbytes = cache.size() * 16;
-    gridDim = {1u, (unsigned)kv_heads, (unsigned)batch};
+    gridDim = {(unsigned)splits, (unsigned)kv_heads, (unsigned)batch};
     for (int b = 0; b < batch; ++b)
         for (int y = 0; y < kv_heads; ++y)
-            emu::run_cta(0, y, 128, smem, [&] {
-                blockIdx.z = b;
-                KERNEL((const uint4*)q.data(), cache.data(), tables.data(), lens.data(),
-                       out.data(), nullptr, nullptr, kv_heads, max_blocks, max_blocks * BS,
-                       scale_log2);
+            for (int x : order)
+                emu::run_cta(x, y, 128, smem, [&] {
+                    blockIdx.z = b;
+                    KERNEL((const uint4*)q.data(), cache.data(), tables.data(), lens.data(),
+                           out.data(), part_o.data(), part_lse.data(),
+                           merge_here ? counters.data() : nullptr, kv_heads, max_blocks,
+                           split_tokens, scale_log2);
+                });
+    if (splits > 1 && !merge_here) {               // the merge as its own kernel
+        gridDim = {(unsigned)(batch * q_heads), 1u, 1u};
+        for (int r = 0; r < batch * q_heads; ++r)
+            emu::run_cta(r, 0, D < 256 ? D : 256, 0, [&] {
+                merge_splits<EMU_DT>(part_o.data(), part_lse.data(), out.data(), splits, D);
             });
+    }
     FILE* g = std::fopen(argv[2], "wb");
     std::fwrite(out.data(), 2, out.size(), g);
+    std::fwrite(counters.data(), 4, counters.size(), g);
     std::fclose(g);
     return 0;
 }
 """
 
 
-def run_decode_tc(q, cache, tables, seq_lens, *, scale=None):
-    """The decode tensor-core kernel (one split, its default launch), emulated: a check of
-    the emulator itself against a kernel the GPU tests have passed."""
+def run_decode_tc(q, cache, tables, seq_lens, *, scale=None, num_splits=1,
+                  merge_here=False, order=None, counters=False):
+    """The decode tensor-core kernel (its default launch shape, ``num_splits`` pieces per
+    sequence), emulated. With splits, they are merged by the separate ``merge_splits``
+    kernel, or (``merge_here``) inside the attention kernel by the split that finishes
+    last; ``order`` is the order in which the splits' CTAs run (default: 0, 1, ...).
+    Returns the output, and with ``counters`` the merge counters after the launch too."""
+    from pagedkv.checks import cdiv
     from pagedkv.kernels import attention
     kv_dtype = dtype_name(cache)
     batch, q_heads, d = q.shape
     num_blocks, _, bs, kv_heads, _ = cache.shape
     nwarps, stages = attention.tensor_core_config(d)
     assert nwarps == 4
-    name = attention.tensor_core_name(DTYPE_CODES[kv_dtype], d, q_heads // kv_heads, bs)
+    code = DTYPE_CODES[kv_dtype]
+    name = attention.tensor_core_name(code, d, q_heads // kv_heads, bs)
     scale = 1.0 / np.sqrt(d) if scale is None else scale
+    max_len, tile = tables.shape[1] * bs, nwarps * 16          # as attention._plan cuts
+    split_tokens = cdiv(cdiv(max_len, num_splits), tile) * tile
+    splits = cdiv(max_len, split_tokens)
+    order = list(range(splits)) if order is None else list(order)
+    assert sorted(order) == list(range(splits)), (order, splits)
     hdr = np.array([batch, q_heads, d, num_blocks, bs, kv_heads, tables.shape[1],
-                    attention._tc_smem(d, nwarps, stages)], np.int32)
-    out = _execute(binary("paged_decode_tc.cu", name, DECODE_MAIN),
+                    attention._tc_smem(d, nwarps, stages), splits, split_tokens,
+                    int(merge_here)], np.int32)
+    raw = _execute(binary("paged_decode_tc.cu", name, f"#define EMU_DT {code}\n" + DECODE_MAIN),
                    [hdr, np.float32(scale * 1.4426950408889634), _bits(q), _bits(cache),
-                    np.asarray(tables, np.int32), np.asarray(seq_lens, np.int32)], q.shape)
-    return out.view(q.dtype) if q.dtype != np.uint16 else out
+                    np.asarray(tables, np.int32), np.asarray(seq_lens, np.int32),
+                    np.asarray(order, np.int32)], (-1,))
+    n = q.size
+    out = raw[:n].reshape(q.shape)
+    out = out.view(q.dtype) if q.dtype != np.uint16 else out
+    return (out, raw[n:].view(np.uint32)) if counters else out
 
 
 NORM_ROPE_MAIN = r"""
