@@ -1,10 +1,14 @@
-"""A name that a markdown cell shows with {eval} keeps its value for the rest of the notebook.
+"""Checks of the notebooks' source, before anything runs.
 
-JupyterLab (jupyterlab-myst) may evaluate a markdown cell's expressions again after later
-cells ran, so a later code cell that binds the same name at the top level changes, or breaks,
-what the prose shows; the browser test caught `replay` rebound this way in chapter 12. This
-check reads the notebooks only: every name an {eval} expression reads must not be bound again
-at the top level of a code cell after that markdown cell."""
+* A name that a markdown cell shows with {eval} keeps its value for the rest of the notebook.
+  JupyterLab (jupyterlab-myst) may evaluate a markdown cell's expressions again after later
+  cells ran, so a later code cell that binds the same name at the top level changes, or
+  breaks, what the prose shows; the browser test caught `replay` rebound this way in
+  chapter 12. Every name an {eval} expression reads must not be bound again at the top level
+  of a code cell after that markdown cell.
+* A line of code fits its box on the rendered page (the browser test measures the boxes; at
+  1,366 px a box holds about 92 characters).
+"""
 from __future__ import annotations
 
 import ast
@@ -105,3 +109,15 @@ def test_eval_names_are_not_rebound_later(path):
     problems = [f"cell {i} shows {name!r}, which cell {j} binds again"
                 for i, name, j in rebound(cells)]
     assert not problems, "\n".join(problems)
+
+
+MAX_CODE_LINE = 92
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_code_lines_fit_their_box(path):
+    cells = json.loads(path.read_text())["cells"]
+    wide = [f"cell {i}: {line!r} ({len(line)} characters)"
+            for i, cell in enumerate(cells) if cell["cell_type"] == "code"
+            for line in "".join(cell["source"]).splitlines() if len(line) > MAX_CODE_LINE]
+    assert not wide, "\n".join(wide)
