@@ -3,9 +3,11 @@ norm folded: ``fold_rows`` = the bucket) against the default (cuBLAS's multiplie
 rows, norms unfolded): nodes, replay time and greedy tokens per bucket, SmolLM2-135M's
 shapes with random float16 weights (no model file).
 
-    python perf/rows_check.py [--json FILE] [--buckets 2,4,8] [--steps 200]
+    python perf/rows_check.py [--json FILE] [--buckets 2,4,8] [--steps 200] [--per-warp 1]
 
-Each setting twice, interleaved, on the same batch (perf/decode_timing.py). The logits are
+``--per-warp 1,4`` measures the few-row kernel with each of those outputs per warp
+(``GEMV_OUTPUTS_PER_WARP``, ``gemv.cu``'s ``dots_rows``; settings "few-row/R"). Each setting
+twice, interleaved, on the same batch (perf/decode_timing.py). The logits are
 not compared bit for bit: cuBLAS adds its sums in another order; the greedy tokens are.
 """
 from __future__ import annotations
@@ -17,10 +19,27 @@ import json
 import numpy as np
 
 from decode_timing import BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode
+from pagedkv.kernels import gemm as gemm_module
 from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.runner import FastRunner
 
-SETTINGS = {"default": {}, "few-row": None}      # few-row: gemv, folded to the bucket
+
+def runner_for(model, kv, b: int, setting: str) -> FastRunner:
+    """``"default"``, or ``"few-row"`` / ``"few-row/R"``: our multiply for every projection,
+    every norm folded, R outputs a warp (captured now, with that choice)."""
+    if setting == "default":
+        runner = FastRunner(model, kv, max_batch=b, max_context=1024)
+    else:
+        per_warp = dict(gemm_module.GEMV_OUTPUTS_PER_WARP)
+        if "/" in setting:
+            gemm_module.GEMV_OUTPUTS_PER_WARP[b] = int(setting.split("/")[1])
+        try:
+            runner = FastRunner(model, kv, max_batch=b, max_context=1024,
+                                gemm_method="gemv", fold_rows=b)
+            runner.capture_all()
+        finally:
+            gemm_module.GEMV_OUTPUTS_PER_WARP.update(per_warp)
+    return runner
 
 
 def main():
@@ -28,30 +47,31 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--buckets", default="2,4,8")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--per-warp", default="")
     args = ap.parse_args()
+    settings = ["default"] + ([f"few-row/{r}" for r in args.per_warp.split(",")]
+                              if args.per_warp else ["few-row"])
     model = Llama(SMOL, random_weights(SMOL, 0), dtype=np.float16)
     buckets = [int(b) for b in args.buckets.split(",")]
     kv = PagedKV.for_model(model, max(buckets) * BLOCKS_PER_ROW + 8, BLOCK_SIZE)
     rows, summary = [], {}
     for b in buckets:
         greedy = {}
-        for name in list(SETTINGS) * 2:                 # twice each, interleaved
-            kw = SETTINGS[name] if SETTINGS[name] is not None else dict(
-                gemm_method="gemv", fold_rows=b)
-            runner = FastRunner(model, kv, max_batch=b, max_context=1024, **kw)
+        for name in settings * 2:                       # twice each, interleaved
+            runner = runner_for(model, kv, b, name)
             row, logits = time_decode(runner, batch_of(b), args.steps)
             greedy[name] = host(logits).argmax(axis=1).tolist()
             rows.append(dict(bucket=b, setting=name) | row)
             print(json.dumps(rows[-1]))
         ms = {n: float(np.mean([r["step_ms_median"] for r in rows
-                                if r["bucket"] == b and r["setting"] == n])) for n in SETTINGS}
+                                if r["bucket"] == b and r["setting"] == n])) for n in settings}
         nodes = {n: next(r["nodes"] for r in rows if r["bucket"] == b and r["setting"] == n)
-                 for n in SETTINGS}
-        summary[str(b)] = dict(ms=ms, nodes=nodes,
-                               greedy_identical=greedy["default"] == greedy["few-row"])
-        print(f"bucket {b}: default {nodes['default']} nodes {ms['default']:.3f} ms; few-row "
-              f"{nodes['few-row']} nodes {ms['few-row']:.3f} ms; greedy tokens the same: "
-              f"{summary[str(b)]['greedy_identical']}")
+                 for n in settings}
+        same = all(greedy[n] == greedy["default"] for n in settings)
+        summary[str(b)] = dict(ms=ms, nodes=nodes, greedy_identical=same)
+        print(f"bucket {b}: " + "; ".join(f"{n} {nodes[n]} nodes {ms[n]:.3f} ms"
+                                          for n in settings)
+              + f"; greedy tokens the same: {same}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(what="decode graph replay, default (cuBLAS from 2 rows) against "

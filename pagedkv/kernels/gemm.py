@@ -96,6 +96,18 @@ def _rows(a, name: str):
 #: 1.17 and 3.46 against 1.18: perf/results/rows-h200-2026-12-04.json).
 GEMV_MAX_ROWS, GEMV_MAX_K, GEMV_AUTO_ROWS = 8, 1536, 2
 
+#: Outputs each warp of the few-row kernel makes at once, by rows (``gemv.cu``'s
+#: ``dots_rows``): the same bits for any choice, and with more rows, fewer reads of shared
+#: memory per weight byte. Two from 2 rows on: on the H200 a 2-row step took 0.946 ms
+#: against 0.970 with one, and four no better than two (8 rows: 2.99, 2.42, 2.45 ms for 1, 2,
+#: 4; perf/results/rows-h200-2026-12-04-per-warp.json). One row: not measured, left at 1.
+GEMV_OUTPUTS_PER_WARP = {1: 1, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}
+
+
+def gemv_outputs_per_warp(m: int) -> int:
+    """How many outputs a warp of the few-row kernel makes at once for ``m`` rows."""
+    return GEMV_OUTPUTS_PER_WARP[m]
+
 
 def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False,
          method: str = "auto"):
@@ -131,9 +143,10 @@ def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False,
     if method not in ("auto", "gemv", "cublas"):
         raise ConfigError(f"method must be 'auto', 'gemv' or 'cublas', got {method!r}")
     if method == "gemv" or (method == "auto" and fits and m <= GEMV_AUTO_ROWS):
-        name = f"gemv_t<{DTYPE_CODES[t_ab]}, {DTYPE_CODES[t_out]}, {m}>"
+        r = gemv_outputs_per_warp(m)
+        name = f"gemv_t<{DTYPE_CODES[t_ab]}, {DTYPE_CODES[t_out]}, {m}, {r}>"
         fn = kernel(load_source("gemv.cu"), name)
-        launch(fn, (min(cdiv(n, 8), 8 * sm_count()),), (256,),
+        launch(fn, (min(cdiv(n, 8 * r), 8 * sm_count()),), (256,),
                (a, b, out, np.int32(k), np.int32(n), np.int32(accumulate)))
         return out
     cb = _cublas()

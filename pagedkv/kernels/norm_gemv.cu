@@ -89,22 +89,36 @@ __device__ __forceinline__ float pick(const float* acc, int lane) {
     return a;
 }
 
-template <int DT, int DT_OUT, int M, int SILU>
+// R > 1 (without SILU): each warp makes R outputs at once, as gemv.cu's dots_rows does.
+template <int DT, int DT_OUT, int M, int SILU, int R = 1>
 __global__ void norm_gemv_t(const void* __restrict__ x, const void* __restrict__ norm_w,
                             float eps, const void* __restrict__ w, void* __restrict__ out,
                             int K, int N) {
+    static_assert(R == 1 || !SILU, "SwiGLU's warps make one output (two dot products)");
     __shared__ float xs[M * NORM_MAX_K];              // the M normalized rows, widened once
     const int first = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (first < N) {                                  // this warp's first rows, into L2
-        prefetch_row(w, first, K * (16 / Num<DT>::PER_VEC));
-        if (SILU) prefetch_row(w, (long long)N + first, K * (16 / Num<DT>::PER_VEC));
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {                     // this warp's first rows, into L2
+        if (first * R + r < N) prefetch_row(w, first * R + r, K * (16 / Num<DT>::PER_VEC));
     }
+    if (SILU && first < N) prefetch_row(w, (long long)N + first, K * (16 / Num<DT>::PER_VEC));
     wait_for_prior_grid();                            // x comes from the kernel before
     let_next_grid_start();
     normalize_rows<DT, M>(x, norm_w, eps, K, xs);
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
-    for (int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; n < N; n += warps) {
+    if (R > 1) {
+        for (long long n0 = (long long)first * R; n0 < N; n0 += (long long)warps * R) {
+            float acc[R][M];
+            dots_rows<DT, M, R>(w, n0, N, K, xs, acc);
+            const long long n = n0 + lane / M;
+            if (lane < R * M && n < N)           // lane r*M + m writes row m's output n
+                Num<DT_OUT>::store(out, (long long)(lane % M) * N + n,
+                                   pick_rows<M, R>(acc, lane));
+        }
+        return;
+    }
+    for (int n = first; n < N; n += warps) {
         float acc[M], acc2[M];                   // row n of w (gate's with SILU), up's row
         warp_dots<DT, M, SILU>(w, n, (long long)N + n, K, xs, acc, acc2);
         if (lane < M) {                          // lane m writes row m's number

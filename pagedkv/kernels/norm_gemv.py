@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ._common import (DTYPE_CODES, check_int32, dtype_name, is_cupy, kernel, load_source,
                       sm_count)
 from .fused import FUSED_SOURCE, rms_norm, rope_write_kv, silu_mul
-from .gemm import GEMV_MAX_ROWS
+from .gemm import GEMV_MAX_ROWS, gemv_outputs_per_warp
 from .pdl import launch
 
 __all__ = ["norm_gemv", "norm_gemv_rope", "norm_gemv_rope_unfused", "NORM_GEMV_SOURCE"]
@@ -37,9 +37,11 @@ NORM_MAX_K = 1024          # the longest row norm_gemv.cu keeps in shared memory
 
 
 def _source() -> str:
-    """fused.cu's helpers (``round_to``, ``cta_sum``), then this kernel."""
+    """fused.cu's helpers (``round_to``, ``cta_sum``), gemv.cu's (``dots_rows``), then
+    this kernel."""
     here = importlib.resources.files(__package__)
-    return load_source(FUSED_SOURCE) + "\n" + here.joinpath(NORM_GEMV_SOURCE).read_text()
+    return "\n".join([load_source(FUSED_SOURCE), here.joinpath("gemv.cu").read_text(),
+                      here.joinpath(NORM_GEMV_SOURCE).read_text()])
 
 
 def norm_gemv(x, norm_w, eps: float, w, out, *, silu: bool = False):
@@ -62,8 +64,9 @@ def norm_gemv(x, norm_w, eps: float, w, out, *, silu: bool = False):
         return silu_mul((h @ w.T).astype(x.dtype), out=out)
     _check_launch(x, (x, "x"), (w, "w"), (out, "out"))
     dt, dt_out = DTYPE_CODES[dtype_name(x)], DTYPE_CODES[dtype_name(out)]
-    fn = kernel(_source(), f"norm_gemv_t<{dt}, {dt_out}, {m}, {int(silu)}>")
-    launch(fn, (min(cdiv(n, 8), 8 * sm_count()),), (256,),
+    r = 1 if silu else gemv_outputs_per_warp(m)
+    fn = kernel(_source(), f"norm_gemv_t<{dt}, {dt_out}, {m}, {int(silu)}, {r}>")
+    launch(fn, (min(cdiv(n, 8 * r), 8 * sm_count()),), (256,),
            (x, norm_w, np.float32(eps), w, out, np.int32(k), np.int32(n)))
     return out
 

@@ -259,7 +259,7 @@ int main(int argc, char** argv) {
                                                 cs.data(), sn.data(), q, cache, K, q_heads,
                                                 kv_heads, D, BS);
             else
-                norm_gemv_t<EMU_DT, EMU_DT, EMU_M, 0>(x, nw, eps, w, qkv, K, (int)N);
+                norm_gemv_t<EMU_DT, EMU_DT, EMU_M, 0, EMU_R>(x, nw, eps, w, qkv, K, (int)N);
         });
     if (!fused) {                                  // then rope_write_kv, one CTA a row
         gridDim = {(unsigned)EMU_M, 1u, 1u};
@@ -278,16 +278,19 @@ int main(int argc, char** argv) {
 
 
 def run_norm_gemv_rope(x, norm_w, eps, w, qkv, positions, slots, cos, sin, q_out, cache,
-                       q_heads, kv_heads, *, fused=True, grid_x=3):
+                       q_heads, kv_heads, *, fused=True, grid_x=3, rows_per_warp=1):
     """norm_gemv_rope's kernel (``fused``) or the two launches it replaces (norm_gemv_t,
-    then rope_write_kv), emulated on ``grid_x`` CTAs: returns new (qkv, q_out, cache),
-    the given ones as they start (their poison shows what is never written)."""
+    then rope_write_kv; norm_gemv_t's warps making ``rows_per_warp`` outputs each),
+    emulated on ``grid_x`` CTAs: returns new (qkv, q_out, cache), the given ones as they
+    start (their poison shows what is never written)."""
     from pagedkv.kernels.norm_gemv import NORM_GEMV_SOURCE
     from pagedkv.kernels.fused import FUSED_SOURCE
     dt, m = DTYPE_CODES[dtype_name(x)], x.shape[0]
     kernels = ROOT / "pagedkv/kernels"
-    text = "\n".join((kernels / f).read_text() for f in (FUSED_SOURCE, NORM_GEMV_SOURCE))
-    main = f"#define EMU_DT {dt}\n#define EMU_M {m}\n" + NORM_ROPE_MAIN
+    text = "\n".join((kernels / f).read_text()
+                     for f in (FUSED_SOURCE, "gemv.cu", NORM_GEMV_SOURCE))   # as _source()
+    main = (f"#define EMU_DT {dt}\n#define EMU_M {m}\n#define EMU_R {rows_per_warp}\n"
+            + NORM_ROPE_MAIN)
     exe = binary(NORM_GEMV_SOURCE, f"norm_gemv_rope_t<{dt}, {m}>", main, text=text)
     num_blocks, _, bs, _, d = cache.shape
     hdr = np.array([x.shape[1], q_heads, kv_heads, d, bs, num_blocks, cos.shape[0], grid_x,
@@ -333,15 +336,18 @@ def norm_rope_case(rng, dtype, m, block_size, *, hidden=64, q_heads=4, kv_heads=
 
 
 def check_norm_gemv_rope(dtype, m, block_size, seed):
-    """The emulated kernel against the emulated pair (the same bits, NaN poison included)
+    """The emulated kernel against the emulated pair, whose norm_gemv_t makes one output a
+    warp and then four (the same bits in all three, NaN poison included)
     and against the NumPy reference (norm_gemv then rope_write_kv): within rounding, and
     NaN exactly where the reference wrote nothing. Returns (bits equal, max rel err)."""
     from pagedkv.kernels.norm_gemv import norm_gemv_rope
     case = norm_rope_case(np.random.default_rng(seed), dtype, m, block_size)
     fused = run_norm_gemv_rope(*case)
     pair = run_norm_gemv_rope(*case, fused=False)
-    same = all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
-               for a, b in zip(fused, pair))
+    four = run_norm_gemv_rope(*case, fused=False, rows_per_warp=4)  # 4 outputs a warp
+    same = all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) and
+               np.array_equal(a.view(np.uint8), c.view(np.uint8))
+               for a, b, c in zip(fused, pair, four))
     ref = [a.copy() for a in (case[4], case[9], case[10])]
     norm_gemv_rope(*case[:4], ref[0], *case[5:9], ref[1], ref[2], *case[11:])
     err = 0.0
