@@ -3,6 +3,8 @@ shapes, a decode batch of ``b`` rows, and the timing of one runner's decode step
 from its bucket's graph on a GPU)."""
 from __future__ import annotations
 
+import datetime
+import json
 import time
 
 import numpy as np
@@ -44,3 +46,10 @@ def time_decode(runner, batch: Batch, steps: int, warmup: int = 5) -> tuple[dict
 def host(a) -> np.ndarray:
     """A NumPy copy of a CuPy or NumPy array."""
     return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def write_result(path, what: str, **fields) -> None:
+    """The JSON of one check: what it measured, when (UTC), and ``fields``."""
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    with open(path, "w") as f:
+        json.dump(dict(what=what, date=date, **fields), f, indent=1)

@@ -12,12 +12,12 @@ compared bit for bit (the same merge arithmetic, in the same order).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
 import numpy as np
 
-from decode_timing import BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode
+from decode_timing import (BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode,
+                           write_result)
 from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.runner import FastRunner
 
@@ -67,12 +67,9 @@ def main():
         print(f"bucket {b:>4} ({splits} splits): {nodes[False]} -> {nodes[True]} nodes, "
               f"{ms[False]:.3f} -> {ms[True]:.3f} ms, logits bit for bit {same}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(what="decode graph replay, attention splits merged by a separate "
-                                "kernel or by the last split, SmolLM2 shapes, random fp16 "
-                                "weights",
-                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                               timespec="seconds"), runs=rows, summary=summary), f, indent=1)
+        write_result(args.json, "decode graph replay, attention splits merged by a separate "
+                     "kernel or by the last split, SmolLM2 shapes, random fp16 weights",
+                     runs=rows, summary=summary)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ kernel may start changes).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
 import numpy as np
 
-from decode_timing import BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode
+from decode_timing import (BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode,
+                           write_result)
 from pagedkv.kernels.pdl import programmatic_available
 from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.runner import FastRunner
@@ -56,13 +56,9 @@ def main():
                                logits_identical=same[b])
         print(f"bucket {b:>4}: {ms[False]:.3f} -> {ms[True]:.3f} ms")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(what="decode graph replay with and without programmatic dependent "
-                                "launch, SmolLM2 shapes, random fp16 weights",
-                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                               timespec="seconds"),
-                           available=programmatic_available(), runs=rows, summary=summary),
-                      f, indent=1)
+        write_result(args.json, "decode graph replay with and without programmatic dependent "
+                     "launch, SmolLM2 shapes, random fp16 weights",
+                     available=programmatic_available(), runs=rows, summary=summary)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ not compared bit for bit: cuBLAS adds its sums in another order; the greedy toke
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
 import numpy as np
 
-from decode_timing import BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode
+from decode_timing import (BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode,
+                           write_result)
 from pagedkv.kernels import gemm as gemm_module
 from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.runner import FastRunner
@@ -73,12 +73,10 @@ def main():
                                           for n in settings)
               + f"; greedy tokens the same: {same}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(what="decode graph replay, default (cuBLAS from 2 rows) against "
-                                "the few-row multiply with every norm folded, SmolLM2 shapes, "
-                                "random fp16 weights",
-                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                               timespec="seconds"), runs=rows, summary=summary), f, indent=1)
+        write_result(args.json, f"decode graph replay, the default (cuBLAS from "
+                     f"{gemm_module.GEMV_AUTO_ROWS + 1} rows) against the few-row multiply "
+                     f"with every norm folded, SmolLM2 shapes, random fp16 weights",
+                     runs=rows, summary=summary)
 
 
 if __name__ == "__main__":
