@@ -106,7 +106,7 @@ GEMV_OUTPUTS_PER_WARP = {1: 1, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}
 
 def gemv_outputs_per_warp(m: int) -> int:
     """How many outputs a warp of the few-row kernel makes at once for ``m`` rows."""
-    return GEMV_OUTPUTS_PER_WARP[m]
+    return GEMV_OUTPUTS_PER_WARP.get(m, 1)
 
 
 def gemm(a, b, out, *, accumulate: bool = False, transpose_b: bool = False,
