@@ -6,8 +6,8 @@
   breaks, what the prose shows; the browser test caught `replay` rebound this way in
   chapter 12. Every name an {eval} expression reads must not be bound again at the top level
   of a code cell after that markdown cell.
-* A line of code fits its box on the rendered page (the browser test measures the boxes; at
-  1,366 px a box holds about 92 characters).
+* A line of code, or of what the code printed, fits its box on the rendered page (the
+  browser test measures the boxes; at 1,366 px a box holds about 92 characters).
 """
 from __future__ import annotations
 
@@ -114,10 +114,18 @@ def test_eval_names_are_not_rebound_later(path):
 MAX_CODE_LINE = 92
 
 
+def _printed(cell):
+    """What a code cell printed (its stream outputs: the page shows them in a box too)."""
+    return "".join("".join(o.get("text", "")) for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_code_lines_fit_their_box(path):
     cells = json.loads(path.read_text())["cells"]
-    wide = [f"cell {i}: {line!r} ({len(line)} characters)"
+    wide = [f"cell {i} {what}: {line!r} ({len(line)} characters)"
             for i, cell in enumerate(cells) if cell["cell_type"] == "code"
-            for line in "".join(cell["source"]).splitlines() if len(line) > MAX_CODE_LINE]
+            for what, text in (("source", "".join(cell["source"])),
+                               ("output", _printed(cell)))
+            for line in text.splitlines() if len(line) > MAX_CODE_LINE]
     assert not wide, "\n".join(wide)
