@@ -100,7 +100,8 @@ GEMV_MAX_ROWS, GEMV_MAX_K, GEMV_AUTO_ROWS = 8, 1536, 2
 #: ``dots_rows``): the same bits for any choice, and with more rows, fewer reads of shared
 #: memory per weight byte. Two from 2 rows on: on the H200 a 2-row step took 0.946 ms
 #: against 0.970 with one, and four no better than two (8 rows: 2.99, 2.42, 2.45 ms for 1, 2,
-#: 4; perf/results/rows-h200-2026-12-04-per-warp.json). One row: not measured, left at 1.
+#: 4; perf/results/rows-h200-2026-12-04-per-warp.json). One row: one output a warp, 0.788
+#: ms a step against 0.812 with two and 0.847 with four (rows-h200-2026-12-04-per-warp-1row).
 GEMV_OUTPUTS_PER_WARP = {1: 1, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2}
 
 
