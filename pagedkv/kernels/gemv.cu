@@ -18,11 +18,14 @@
 
 // With M rows every lane reads M * 32 bytes of xs for each 16 bytes of w, so from 4 rows on
 // shared memory, not the weight, bounds a warp that makes one output. dots_rows lets a warp
-// make R outputs, n0 .. n0 + R - 1, at once: each number of xs it reads serves R weight
-// rows. Each output's sums are made in the same order as with R = 1 (the same bits).
+// make R outputs at once, of w's rows n0, n0 + stride, ... (rows from `limit` on count as
+// zeros): each number of xs it reads serves R weight rows. Each output's sums are made in
+// the same order as with R = 1 (the same bits). norm_gemv.cu's kernels call it too, with
+// stride N for SwiGLU's gate and up rows and D / 2 for RoPE's pairs.
 template <int DT, int M, int R>
-__device__ __forceinline__ void dots_rows(const void* __restrict__ w, long long n0, int N,
-                                          int K, const float* xs, float (&acc)[R][M]) {
+__device__ __forceinline__ void dots_rows(const void* __restrict__ w, long long n0,
+                                          long long stride, long long limit, int K,
+                                          const float* xs, float (&acc)[R][M]) {
     constexpr int V = Num<DT>::PER_VEC;
     const int lane = threadIdx.x % 32;
     const int vecs = K / V;                          // 16-byte chunks in a row of w
@@ -36,8 +39,8 @@ __device__ __forceinline__ void dots_rows(const void* __restrict__ w, long long 
         float wf[R][V];
         #pragma unroll
         for (int r = 0; r < R; ++r) {
-            if (n0 + r < N) {
-                Num<DT>::unpack(rows[(n0 + r) * vecs + v], wf[r]);
+            if (n0 + r * stride < limit) {
+                Num<DT>::unpack(rows[(n0 + r * stride) * vecs + v], wf[r]);
             } else {
                 #pragma unroll
                 for (int j = 0; j < V; ++j) wf[r][j] = 0.f;
@@ -96,7 +99,7 @@ __global__ void gemv_t(const void* __restrict__ x, const void* __restrict__ w,
     const int warps = gridDim.x * (blockDim.x / 32);
     for (long long n0 = (long long)warp * R; n0 < N; n0 += (long long)warps * R) {
         float acc[R][M];
-        dots_rows<DT, M, R>(w, n0, N, K, xs, acc);
+        dots_rows<DT, M, R>(w, n0, 1, N, K, xs, acc);
         const long long n = n0 + lane / M;
         if (lane < R * M && n < N) {                 // lane r*M + m writes row m's output n
             float a = pick_rows<M, R>(acc, lane);

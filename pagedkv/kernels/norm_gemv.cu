@@ -8,7 +8,7 @@
 // memory (each CTA does it again: 576 numbers, far cheaper than a launch), with the very
 // arithmetic of `rms_norm` in fused.cu (same reduction, same roundings), so the numbers that
 // reach the dot products are bit for bit the ones the two launches would have produced. The
-// dot products are gemv.cu's: one warp per output, 16-byte chunks of w's row per lane.
+// dot products are gemv.cu's (dots_rows): 16-byte chunks of w's rows per lane.
 //
 // SILU = 1 folds SwiGLU in as well: w holds gate's rows then up's ([2N][K]), and output n is
 // SiLU(gate_n) * up_n, so one warp computes the two dot products n and N + n, rounds each to
@@ -43,42 +43,9 @@ __device__ __forceinline__ void normalize_rows(const void* __restrict__ x,
     __syncthreads();
 }
 
-// Step 2, one warp: the dot products of w's row n (and, with TWO, of its row n2) with the M
-// rows of xs. Each lane adds up its 16-byte chunks of the row, then shuffles add the 32
-// lanes' sums: every lane ends with all of acc[0..M) (and acc2).
-template <int DT, int M, bool TWO>
-__device__ __forceinline__ void warp_dots(const void* __restrict__ w, long long n,
-                                          long long n2, int K, const float* xs, float* acc,
-                                          float* acc2) {
-    const int lane = threadIdx.x % 32;
-    const int vecs = K / Num<DT>::PER_VEC;       // 16-byte chunks in a row of w
-    const uint4* row = reinterpret_cast<const uint4*>(w) + n * vecs;
-    const uint4* row2 = reinterpret_cast<const uint4*>(w) + n2 * vecs;
-    #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = acc2[m] = 0.f;
-    for (int v = lane; v < vecs; v += 32) {
-        float wf[Num<DT>::PER_VEC], wf2[Num<DT>::PER_VEC];
-        Num<DT>::unpack(row[v], wf);
-        if (TWO) Num<DT>::unpack(row2[v], wf2);
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float* xm = xs + m * K + v * Num<DT>::PER_VEC;
-            #pragma unroll
-            for (int j = 0; j < Num<DT>::PER_VEC; ++j) {
-                acc[m] += wf[j] * xm[j];
-                if (TWO) acc2[m] += wf2[j] * xm[j];
-            }
-        }
-    }
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
-            if (TWO) acc2[m] += __shfl_xor_sync(0xffffffffu, acc2[m], o);
-        }
-    }
-}
+// Step 2, one warp: the dot products of w's rows with the M rows of xs, gemv.cu's
+// dots_rows (each lane adds up its 16-byte chunks of a row, then shuffles add the 32 lanes'
+// sums: every lane ends with every sum).
 
 // acc[lane] for lane < M: registers cannot be indexed by a variable, so each is compared.
 template <int M>
@@ -110,7 +77,7 @@ __global__ void norm_gemv_t(const void* __restrict__ x, const void* __restrict__
     if (R > 1) {
         for (long long n0 = (long long)first * R; n0 < N; n0 += (long long)warps * R) {
             float acc[R][M];
-            dots_rows<DT, M, R>(w, n0, N, K, xs, acc);
+            dots_rows<DT, M, R>(w, n0, 1, N, K, xs, acc);
             const long long n = n0 + lane / M;
             if (lane < R * M && n < N)           // lane r*M + m writes row m's output n
                 Num<DT_OUT>::store(out, (long long)(lane % M) * N + n,
@@ -119,13 +86,13 @@ __global__ void norm_gemv_t(const void* __restrict__ x, const void* __restrict__
         return;
     }
     for (int n = first; n < N; n += warps) {
-        float acc[M], acc2[M];                   // row n of w (gate's with SILU), up's row
-        warp_dots<DT, M, SILU>(w, n, (long long)N + n, K, xs, acc, acc2);
+        float acc[1 + SILU][M];                  // row n of w (gate's with SILU), up's row
+        dots_rows<DT, M, 1 + SILU>(w, n, N, 2LL * N, K, xs, acc);
         if (lane < M) {                          // lane m writes row m's number
-            float a = pick<M>(acc, lane);
+            float a = pick<M>(acc[0], lane);
             if (SILU) {
                 const float g = round_to<DT>(a);
-                a = g / (1.f + __expf(-g)) * round_to<DT>(pick<M>(acc2, lane));
+                a = g / (1.f + __expf(-g)) * round_to<DT>(pick<M>(acc[SILU], lane));
             }
             Num<DT_OUT>::store(out, (long long)lane * N + n, a);
         }
@@ -170,11 +137,11 @@ __global__ void norm_gemv_rope_t(const void* __restrict__ x, const void* __restr
     normalize_rows<DT, M>(x, norm_w, eps, K, xs);
     for (int p = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; p < N / 2; p += warps) {
         const int head = p / half, i = p % half, n = head * D + i;  // q, then k, then v heads
-        float acc[M], acc2[M];                   // outputs n and n + D/2 of each row
-        warp_dots<DT, M, true>(w, n, n + half, K, xs, acc, acc2);
+        float acc[2][M];                         // outputs n and n + D/2 of each row
+        dots_rows<DT, M, 2>(w, n, half, N, K, xs, acc);
         if (lane >= M) continue;                 // lane m does row m's pair
-        const float x1 = round_to<DT>(pick<M>(acc, lane));
-        const float x2 = round_to<DT>(pick<M>(acc2, lane));
+        const float x1 = round_to<DT>(pick<M>(acc[0], lane));
+        const float x2 = round_to<DT>(pick<M>(acc[1], lane));
         Num<DT>::store(qkv, (long long)lane * N + n, x1);
         Num<DT>::store(qkv, (long long)lane * N + n + half, x2);
         float y1 = x1, y2 = x2;                  // what goes on: turned, for q and k
