@@ -3,13 +3,14 @@ shapes, a decode batch of ``b`` rows, and the timing of one runner's decode step
 from its bucket's graph on a GPU)."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import time
 
 import numpy as np
 
-from pagedkv.model import LlamaConfig
+from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
 from pagedkv.model.llama import Batch
 
 SMOL = LlamaConfig(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3,
@@ -53,3 +54,22 @@ def write_result(path, what: str, **fields) -> None:
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open(path, "w") as f:
         json.dump(dict(what=what, date=date, **fields), f, indent=1)
+
+
+def arguments(buckets: str, *extra) -> argparse.Namespace:
+    """A check's command line: ``--json FILE``, ``--buckets`` (default ``buckets``),
+    ``--steps`` and ``extra`` (name, default) string options."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--buckets", default=buckets)
+    ap.add_argument("--steps", type=int, default=200)
+    for name, default in extra:
+        ap.add_argument(name, default=default)
+    return ap.parse_args()
+
+
+def smol_and_pool(buckets: list) -> tuple:
+    """SmolLM2's shapes with random float16 weights (seed 0), and a pool for the largest
+    of ``buckets`` rows (perf/decode_timing.py's batch_of)."""
+    model = Llama(SMOL, random_weights(SMOL, 0), dtype=np.float16)
+    return model, PagedKV.for_model(model, max(buckets) * BLOCKS_PER_ROW + 8, BLOCK_SIZE)

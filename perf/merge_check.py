@@ -11,14 +11,12 @@ compared bit for bit (the same merge arithmetic, in the same order).
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 
-from decode_timing import (BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode,
+from decode_timing import (arguments, batch_of, host, smol_and_pool, time_decode,
                            write_result)
-from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.runner import FastRunner
 
 
@@ -30,14 +28,9 @@ def runner_for(model, kv, b: int, in_kernel: bool) -> FastRunner:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--buckets", default="1,2,8,64")
-    ap.add_argument("--steps", type=int, default=200)
-    args = ap.parse_args()
-    model = Llama(SMOL, random_weights(SMOL, 0), dtype=np.float16)
+    args = arguments("1,2,8,64")
     buckets = [int(b) for b in args.buckets.split(",")]
-    kv = PagedKV.for_model(model, max(buckets) * BLOCKS_PER_ROW + 8, BLOCK_SIZE)
+    model, kv = smol_and_pool(buckets)
     rows, summary = [], {}
     for b in buckets:
         runner = runner_for(model, kv, b, True)

@@ -11,15 +11,13 @@ kernel may start changes).
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 
-from decode_timing import (BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode,
+from decode_timing import (arguments, batch_of, host, smol_and_pool, time_decode,
                            write_result)
 from pagedkv.kernels.pdl import programmatic_available
-from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.runner import FastRunner
 
 
@@ -30,15 +28,10 @@ def measure(model, kv, b: int, pdl: bool, steps: int) -> tuple[dict, np.ndarray]
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--buckets", default="1,2,8,64,256")
-    ap.add_argument("--steps", type=int, default=200)
-    args = ap.parse_args()
+    args = arguments("1,2,8,64,256")
     print(f"programmatic launch available: {programmatic_available()}")
-    model = Llama(SMOL, random_weights(SMOL, 0), dtype=np.float16)
     buckets = [int(b) for b in args.buckets.split(",")]
-    kv = PagedKV.for_model(model, max(buckets) * BLOCKS_PER_ROW + 8, BLOCK_SIZE)
+    model, kv = smol_and_pool(buckets)
     rows, same = [], {}
     for b in buckets:
         logits = {}

@@ -12,15 +12,13 @@ not compared bit for bit: cuBLAS adds its sums in another order; the greedy toke
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 
-from decode_timing import (BLOCK_SIZE, BLOCKS_PER_ROW, SMOL, batch_of, host, time_decode,
+from decode_timing import (arguments, batch_of, host, smol_and_pool, time_decode,
                            write_result)
 from pagedkv.kernels import gemm as gemm_module
-from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.runner import FastRunner
 
 
@@ -43,17 +41,11 @@ def runner_for(model, kv, b: int, setting: str) -> FastRunner:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--buckets", default="2,4,8")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--per-warp", default="")
-    args = ap.parse_args()
+    args = arguments("2,4,8", ("--per-warp", ""))
     settings = ["default"] + ([f"few-row/{r}" for r in args.per_warp.split(",")]
                               if args.per_warp else ["few-row"])
-    model = Llama(SMOL, random_weights(SMOL, 0), dtype=np.float16)
     buckets = [int(b) for b in args.buckets.split(",")]
-    kv = PagedKV.for_model(model, max(buckets) * BLOCKS_PER_ROW + 8, BLOCK_SIZE)
+    model, kv = smol_and_pool(buckets)
     rows, summary = [], {}
     for b in buckets:
         greedy = {}
