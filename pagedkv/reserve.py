@@ -7,12 +7,15 @@ tokens yet: step n is choosing them. :class:`Reserving` splits the step for it:
 
 * :meth:`~Reserving.reserve` maps every sequence's next slot (a new block where the last one
   is full), as ``step`` does, and returns the same plan; the slot is *pending*;
-* :meth:`~Reserving.commit` gives the pending slots their token ids once they are known, and
-  names the blocks they fill. A sequence freed in between (it ended at step n, so its step
-  n + 1 is thrown away) is skipped: its pending slot went back with its blocks.
+* :meth:`~Reserving.commit` gives the oldest pending slot of each sequence its token id once
+  it is known, and names the blocks it fills. A sequence freed in between (it ended at step
+  n, so its step n + 1 is thrown away) is skipped: its pending slots went back with its
+  blocks.
 
-A block is named only at commit, when its ids are known. Its K/V may be written before that
-(the GPU runs ahead of the host), but nobody can find it in the cache before it is named.
+A sequence may hold several pending slots (a prompt's first token and the one after it can
+both be on their way); their ids come in the order the slots were reserved. A block is named
+only at commit, when its ids are known. Its K/V may be written before that (the GPU runs
+ahead of the host), but nobody can find it in the cache before it is named.
 """
 from __future__ import annotations
 
@@ -23,45 +26,55 @@ __all__ = ["Reserving"]
 
 class Reserving:
     """``reserve`` and ``commit`` for a prefix-caching manager (a mixin: it uses the
-    manager's ``pages``, ``_tail``, ``_cache_full_blocks`` and ``block_size``). At most one
-    slot of a sequence is pending at a time."""
+    manager's ``pages``, ``_tail``, ``_cache_full_blocks`` and ``block_size``). A sequence
+    with pending slots must take no ids by ``step`` or ``append`` until they are committed
+    (its ids would be named out of order)."""
 
-    def pending(self) -> frozenset:
-        """The sequences whose last slot is reserved and has no token id yet."""
-        return frozenset(self.__dict__.get("_pending", ()))
+    def _pending_counts(self) -> dict:
+        """Sequence id -> its pending slots (sequences freed since are dropped here)."""
+        counts = self.__dict__.setdefault("_pending", {})
+        for seq_id in [i for i in counts if i not in self._tail]:
+            del counts[seq_id]
+        return counts
+
+    def pending(self) -> dict:
+        """The sequences that have reserved slots without token ids, and how many each."""
+        return dict(self._pending_counts())
 
     def reserve(self, seq_ids):
         """One decode step's slots for ``seq_ids`` (the plan ``step`` returns), their
         token ids to come by :meth:`commit`."""
         ids = list(seq_ids)
-        pending = self.__dict__.setdefault("_pending", set())
-        twice = [i for i in ids if i in pending]
-        if twice or len(set(ids)) != len(ids):
-            raise ConfigError(f"reserve: sequences {twice or ids} would have two pending "
-                              f"slots (commit the first)")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"reserve: a sequence is named twice in {ids}")
         plan = self.pages.step(ids)               # unknown ids and a full pool: refused here
-        pending.update(ids)
+        counts = self._pending_counts()
+        for seq_id in ids:
+            counts[seq_id] = counts.get(seq_id, 0) + 1
         return plan
 
     def commit(self, seq_ids, tokens) -> None:
-        """The token ids of the slots :meth:`reserve` gave ``seq_ids``; a full block is
-        named now. A sequence freed since its reservation is skipped."""
+        """The token ids of the oldest slots :meth:`reserve` gave ``seq_ids``; a full block
+        is named now. A sequence freed since its reservation is skipped."""
         ids, tokens = list(seq_ids), [int(t) for t in tokens]
         if len(ids) != len(tokens):
             raise ConfigError(f"commit: one token per sequence, got {len(tokens)} for "
                               f"{len(ids)}")
-        pending = self.__dict__.setdefault("_pending", set())
+        counts = self.__dict__.setdefault("_pending", {})
         for seq_id, token in zip(ids, tokens):
-            if seq_id not in pending:
-                raise ConfigError(f"commit: sequence {seq_id!r} has no reserved slot")
-            pending.discard(seq_id)
             if seq_id not in self._tail:          # freed since: nothing left to name
+                counts.pop(seq_id, None)
                 continue
+            if not counts.get(seq_id):
+                raise ConfigError(f"commit: sequence {seq_id!r} has no reserved slot")
+            counts[seq_id] -= 1
+            if not counts[seq_id]:
+                del counts[seq_id]
             tail = self._tail[seq_id]
             tail.append(token)
             if len(tail) == self.block_size:
                 self._cache_full_blocks(seq_id)
 
     def _committed(self, seq_id) -> int:
-        """Tokens of the sequence whose ids the manager knows (a pending slot excluded)."""
-        return self.num_tokens(seq_id) - (seq_id in self.__dict__.get("_pending", ()))
+        """Tokens of the sequence whose ids the manager knows (pending slots excluded)."""
+        return self.num_tokens(seq_id) - self.__dict__.get("_pending", {}).get(seq_id, 0)

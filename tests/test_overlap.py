@@ -162,7 +162,7 @@ def test_reserve_then_commit_is_step(kind):
         tokens = rng.integers(0, 8, len(ids)).tolist()
         pa = a.step(ids, tokens)
         pb = b.reserve(ids)
-        assert b.pending() == frozenset(ids)
+        assert b.pending() == {i: 1 for i in ids}
         b.audit()                                      # a pending slot is allowed for
         b.commit(ids, tokens)
         assert np.array_equal(pa.slot_mapping, pb.slot_mapping)
@@ -181,11 +181,15 @@ def test_reserve_refusals(kind):
     m = manager_cls(alloc_cls(8, 64), 4)
     m.add(0, m.prompt([1, 2, 3]))
     m.reserve([0])
-    with pytest.raises(ConfigError, match="two pending"):
-        m.reserve([0])
+    with pytest.raises(ConfigError, match="named twice"):
+        m.reserve([0, 0])
+    m.reserve([0])                                     # a second pending slot
+    assert m.pending() == {0: 2}
     with pytest.raises(ConfigError, match="one token per sequence"):
         m.commit([0], [1, 2])
     m.commit([0], [4])
+    m.commit([0], [6])
+    assert m._tail[0] == [6]          # 4 filled the first block (named), 6 starts the next
     with pytest.raises(ConfigError, match="no reserved slot"):
         m.commit([0], [4])
     m.reserve([0])
