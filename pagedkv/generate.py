@@ -115,7 +115,7 @@ def run(args, out=sys.stdout) -> int:
     print(f"-- cache: {args.block_size} tokens a block, {info.bytes_per_token:,} bytes a token "
           f"({info.dtype}); blocks used at most {max(x['used_blocks'] for x in h)} of "
           f"{blocks}, shared at most {max(x['shared_blocks'] for x in h)}, "
-          f"copy-on-write copies {engine.kv.copies_done}; "
+          f"copy-on-write copies {engine.runner.kv.copies_done}; "
           f"{new_tokens} tokens in {seconds:.1f} s on {backend.name}", file=out)
     return 0
 

@@ -7,70 +7,73 @@ queues of requests, each in order:
 * ``waiting`` — not admitted yet, first come, first served (a request preempted by
   recompute goes back to the head);
 * ``running`` — admitted, in admission order (the newest last);
-* ``swapped`` — preempted by swapping, the oldest preemption first.
+* ``swapped`` — preempted by swapping, the most recent preemption first (it goes back to
+  the head, as a recomputed one does to ``waiting``'s: the request that left last comes
+  back first).
 
 and asks a *memory* (the :class:`Memory` interface below) whether and where their tokens
-fit. A step has two phases, because the tokens a prefill chooses are needed before the
-step's decode:
+fit. :meth:`Scheduler.schedule` makes one step's :class:`Plan`, in two phases:
 
 1. :meth:`Scheduler.prefill` — swap requests back in, then hand out the step's **token
    budget**: first one token for every sequence of every running request that decodes;
    then prefill chunks, to the running requests whose prompt is only partly in the cache
    (in admission order), then to waiting requests, head first, while admission says they
-   fit. A request whose prefill completes also decodes in this step, so its chunk is
-   charged that token too. With ``chunked_prefill=False`` a waiting request is admitted
-   only when all of its prefill fits in what is left (the whole prompt in one step);
-   with ``token_budget=None`` there is no budget at all.
+   fit. A request whose prefill completes also decodes in this step (its first token is
+   drawn from the prefill's last row, then decoded), so its chunk is charged that token
+   too. With ``chunked_prefill=False`` a waiting request is admitted only when all of its
+   prefill fits in what is left (the whole prompt in one step); with ``token_budget=None``
+   there is no budget at all.
 2. :meth:`Scheduler.decode` — one more token for every sequence of every running request
    whose prompt is in the cache, all or nothing: while the memory runs out, the newest
    running request is preempted (by swap or by recompute, as the memory chooses) and the
-   step is tried again.
+   step is tried again. A request preempted in the step that placed its prefill leaves
+   the plan: none of its work runs.
 
 Tokens found in the prefix cache are not computed, so they are not charged: the memory's
 ``to_prefill`` counts only what a request still has to compute.
 
-What a step decided is one :class:`Schedule`: the scheduler writes who runs (the chunks,
-the decoding requests, the preempted), and the memory, told of it by
-:meth:`Memory.begin`, writes where (its plans, its swap copies). A caller executes the
-schedule and applies the result; nothing of the step is left anywhere else.
+The plan is the scheduler's alone: the memory answers each question with what it placed
+(the engine's memory: prefill parts, decode rows, swap copies; the simulation's places
+nothing a runner needs), the scheduler collects the answers, and the memory seals them
+last (:meth:`Memory.seal`). Nothing of the step is left on either afterwards.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from .checks import positive_int
 from .errors import AuditError, ConfigError
 
-__all__ = ["Memory", "Scheduler", "Schedule", "Chunk", "newest"]
+__all__ = ["Memory", "Scheduler", "Plan", "Chunk", "newest"]
 
 
 class Memory:
     """What the scheduler asks of the memory it schedules for (the simulation's policies
-    and the engine each implement it). ``promised`` counts free blocks already promised
-    to running requests whose prefill is not finished.
+    and the engine each implement it). A question that places something answers with what
+    it placed (None: it did not fit, and nothing changed). ``promised`` counts
+    free blocks already promised to running requests whose prefill is not finished.
 
     * ``width(req)``: sequences the request runs at once (its decode tokens a step);
       ``sequences(reqs)`` their sum.
     * ``to_prefill(req)``: tokens it must still compute before it decodes (0: it decodes).
     * ``owed(req)``: free blocks its unfinished prefill will still take.
     * ``admit(req, n, promised)``: place a waiting request and its first ``n`` prefill
-      tokens if all of it fits now (its whole prefill, a watermark kept); True if it did.
-    * ``prefill(req, n)``: place the next ``n`` prefill tokens of a running request;
-      False, changing nothing, if the blocks are not free.
-    * ``grow(reqs)``: one more token for every sequence of ``reqs``, all or nothing;
-      False if the blocks are not free.
-    * ``preempt(req)``: give its memory back; True if it was swapped out (it waits to be
-      swapped in), False if it must be prefilled again (it waits to be admitted).
-    * ``swap_in(req, promised)``: bring a swapped-out request back if it fits; True if
-      it did.
-    * ``begin(schedule)``: a step starts; what the memory places until the next call is
-      that :class:`Schedule`'s (a memory that moves no bytes ignores it).
+      tokens if all of it fits now (its whole prefill, a watermark kept): a sequence of
+      placements (empty: nothing a runner needs), or None.
+    * ``prefill(req, n)``: place the next ``n`` prefill tokens of a running request
+      (placements, or None).
+    * ``grow(reqs)``: one more token for every sequence of ``reqs``, all or nothing: the
+      placement of those tokens (any value but None), or None.
+    * ``preempt(req, placed)``: give its memory back; ``(True, what was placed)`` if it
+      was swapped out (it waits to be swapped in), ``(False, None)`` if it must be
+      prefilled again (it waits to be admitted). Its placements in this step are void;
+      ``placed`` says it had some (K/V not computed yet: nothing to swap out).
+    * ``swap_in(req, promised)``: bring a swapped-out request back if it fits.
+    * ``seal(plan)``: the step is decided; returns the plan the caller runs (the memory
+      may add what only the whole step tells, as the engine's draws).
     """
-
-    def begin(self, schedule) -> None:
-        pass
 
     def width(self, req) -> int:
         return 1
@@ -85,20 +88,23 @@ class Memory:
     def owed(self, req) -> int:
         return 0
 
-    def admit(self, req, n: int, promised: int) -> bool:
+    def admit(self, req, n: int, promised: int):
         raise NotImplementedError
 
-    def prefill(self, req, n: int) -> bool:
+    def prefill(self, req, n: int):
         raise NotImplementedError
 
-    def grow(self, reqs) -> bool:
+    def grow(self, reqs):
         raise NotImplementedError
 
-    def preempt(self, req) -> bool:
+    def preempt(self, req, placed: bool) -> tuple:
         raise NotImplementedError
 
-    def swap_in(self, req, promised: int) -> bool:
+    def swap_in(self, req, promised: int):
         raise ConfigError("this memory does not swap")
+
+    def seal(self, plan: "Plan") -> "Plan":
+        return plan
 
 
 class Chunk(NamedTuple):
@@ -109,36 +115,48 @@ class Chunk(NamedTuple):
     last: bool
 
 
-@dataclass(eq=False)
-class Schedule:
-    """One step, as decided: the scheduler's part (who runs) and the memory's (where).
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One step, as decided: who runs (the scheduler's) and where (the memory's answers).
 
+    * ``number``: the step's place in the run (0, 1, ...);
     * ``chunks``: the prefill work (:class:`Chunk`), in order; ``parts``: the memory's
-      placement of it (the engine's: ``(request, part)`` pairs, one per sequence);
-    * ``decodes``: the requests that decode, in admission order; ``plan`` and ``seqs``:
-      the memory's plan for their sequences' next token (None and [] when none);
-    * ``swap_ins`` and ``swap_outs``: the memory's block copies, each a list of ``[n, 2]``
-      arrays of (from, to) pairs, host to device and device to host;
-    * ``preempted``: requests preempted in this step, in order; ``finished``: the
-      requests the step completed (the caller's to fill, after it ran).
-
-    The engine takes ``parts`` and the swap copies out as it executes them (a part, or a
-    copy, runs once); the rest stays as the record of the step.
+      placements of it, as ``(request, placement)`` pairs;
+    * ``decodes``: the requests that decode, in admission order; ``rows``: the memory's
+      placement of their sequences' next token (None when nobody decodes);
+    * ``swap_ins`` and ``swap_outs``: the memory's block copies, host to device and
+      device to host, as ``(request, pairs)``;
+    * ``preempted``: requests preempted in this step, in order;
+    * ``draws``: what the memory's seal adds (the engine: which tokens the step draws,
+      and how), else None.
     """
-    chunks: list = field(default_factory=list)
-    parts: list = field(default_factory=list)
-    decodes: list = field(default_factory=list)
-    plan: object = None
-    seqs: list = field(default_factory=list)
-    swap_ins: list = field(default_factory=list)
-    swap_outs: list = field(default_factory=list)
-    preempted: list = field(default_factory=list)
-    finished: list = field(default_factory=list)
+    number: int
+    chunks: tuple = ()
+    parts: tuple = ()
+    decodes: tuple = ()
+    rows: object = None
+    swap_ins: tuple = ()
+    swap_outs: tuple = ()
+    preempted: tuple = ()
+    draws: object = None
 
 
 def newest(running: list):
     """The request preemption takes first: the one admitted last."""
     return running[-1]
+
+
+class _Step:
+    """The plan being written (the scheduler's own, while :meth:`Scheduler.schedule` runs)."""
+
+    def __init__(self):
+        self.parts, self.swap_ins, self.swap_outs, self.preempted = [], [], [], []
+        self.rows = None
+
+    def drop(self, req) -> None:
+        """``req`` was preempted: its prefill placed in this step does not run (a swap-in
+        still does: a request swapped out again leaves with what came back)."""
+        self.parts = [(r, p) for r, p in self.parts if r is not req]
 
 
 class Scheduler:
@@ -163,7 +181,8 @@ class Scheduler:
         self.swapped: deque = deque()
         self.prefilling: dict = {}  # running, prefill unfinished (a dict: ordered, O(1))
         self.refused = None         # the waiting head admission refused this step, or None
-        self.schedule = Schedule()  # the step being scheduled (the last one)
+        self.plans = 0              # plans made so far (the next plan's number)
+        self._step: _Step | None = None
 
     def __bool__(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -174,14 +193,29 @@ class Scheduler:
             return list(self.running)
         return [r for r in self.running if r not in self.prefilling]
 
+    def schedule(self) -> Plan:
+        """One step: its prefill work (:meth:`prefill`), then its decodes (:meth:`decode`),
+        sealed by the memory into the :class:`Plan` the caller runs."""
+        self._step = step = _Step()
+        try:
+            chunks = self.prefill()
+            decodes = self.decode()
+        finally:
+            self._step = None
+        gone = {id(r) for r in step.preempted}
+        plan = Plan(self.plans, chunks=tuple(c for c in chunks if id(c.req) not in gone),
+                    parts=tuple(step.parts), decodes=tuple(decodes), rows=step.rows,
+                    swap_ins=tuple(step.swap_ins), swap_outs=tuple(step.swap_outs),
+                    preempted=tuple(step.preempted))
+        self.plans += 1
+        return self.memory.seal(plan)
+
     # ------------------------------------------------------------------ phase 1
-    def prefill(self) -> Schedule:
+    def prefill(self) -> list:
         """Phase 1 of a step: swap in, then share the token budget out (decodes first,
-        then chunks to running and to waiting requests). Returns the step's
-        :class:`Schedule`, its prefill work in ``chunks``, its memory already placed."""
-        self.refused, self.schedule = None, Schedule()
-        mem = self.memory
-        mem.begin(self.schedule)
+        then chunks to running and to waiting requests). Returns the step's prefill work,
+        :class:`Chunk` s in order, their memory already placed."""
+        self.refused, mem = None, self.memory
         budget = float("inf") if self.token_budget is None else self.token_budget
         budget -= mem.sequences(self.decoding())
         budget = self._swap_in(budget)
@@ -197,8 +231,7 @@ class Scheduler:
                     del self.prefilling[req]
         if not self.swapped:                       # a swapped request comes back first
             self._admit(budget, chunks)
-        self.schedule.chunks = chunks
-        return self.schedule
+        return chunks
 
     def _chunk(self, req, left: int, budget) -> Chunk:
         """As much of ``req``'s prefill as the budget holds; it finishes only if its
@@ -221,9 +254,11 @@ class Scheduler:
             if not chunk.last and not (self.chunked_prefill and chunk.tokens):
                 self.refused = req                 # its prefill does not fit the budget
                 break
-            if not mem.admit(req, chunk.tokens, promised):
+            placed = mem.admit(req, chunk.tokens, promised)
+            if placed is None:
                 self.refused = req                 # its memory is not free
                 break
+            self._placed(req, placed)
             self.waiting.popleft()
             self.running.append(req)
             if not chunk.last:
@@ -236,16 +271,23 @@ class Scheduler:
     def _place(self, req, n: int) -> bool:
         """Memory for ``n`` more prefill tokens of a running request; preempt while
         there is none (False if ``req`` itself was preempted)."""
-        while not self.memory.prefill(req, n):
+        while True:
+            placed = self.memory.prefill(req, n)
+            if placed is not None:
+                self._placed(req, placed)
+                return True
             victim = self.victim(self.running)
             self._preempt(victim)
             if victim is req:
                 return False
-        return True
+
+    def _placed(self, req, placed) -> None:
+        if self._step is not None:
+            self._step.parts.extend((req, p) for p in placed)
 
     def _swap_in(self, budget):
-        """Bring swapped requests back, oldest preemption first, while they fit; returns
-        the budget left."""
+        """Bring swapped requests back, the most recently preempted first, while they fit;
+        returns the budget left."""
         mem = self.memory
         promised = sum(mem.owed(r) for r in self.prefilling)
         live = mem.sequences(self.running)
@@ -254,8 +296,11 @@ class Scheduler:
             width = mem.width(req)
             if live + width > self.max_seqs or width > budget:
                 break
-            if not mem.swap_in(req, promised):
+            pairs = mem.swap_in(req, promised)
+            if pairs is None:
                 break
+            if self._step is not None:
+                self._step.swap_ins.append((req, pairs))
             self.swapped.popleft()
             self.running.append(req)
             live += width
@@ -269,11 +314,15 @@ class Scheduler:
     def decode(self) -> list:
         """Phase 2: one more token for every sequence of every running request that
         decodes, preempting while the memory runs out. Returns those requests (in
-        admission order, the schedule's ``decodes`` too), their memory grown."""
+        admission order), their memory grown."""
         while True:
             reqs = self.decoding()
-            if not reqs or self.memory.grow(reqs):
-                self.schedule.decodes = reqs
+            if not reqs:
+                return reqs
+            rows = self.memory.grow(reqs)
+            if rows is not None:
+                if self._step is not None:
+                    self._step.rows = rows
                 return reqs
             if len(self.running) == 1:             # admission refuses what cannot fit
                 raise AuditError("a request alone cannot take its next step")
@@ -282,18 +331,25 @@ class Scheduler:
     def _preempt(self, req) -> None:
         self.running.remove(req)
         self.prefilling.pop(req, None)
-        self.schedule.preempted.append(req)
-        if self.memory.preempt(req):
+        step = self._step
+        placed = step is not None and any(r is req for r, _ in step.parts)
+        swapped, pairs = self.memory.preempt(req, placed)
+        if step is not None:
+            step.drop(req)
+            step.preempted.append(req)
+            if swapped:
+                step.swap_outs.append((req, pairs))
+        if swapped:
             self.swapped.appendleft(req)
         else:
             self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ leaving
     def finish(self, req) -> None:
-        """A running request is done: it leaves the queues (its memory is the caller's to
-        release)."""
-        self.running.remove(req)
-        self.prefilling.pop(req, None)
+        """A request is done: it leaves whichever queue holds it (its memory is the
+        caller's to release; a request may end while preempted, its last token landing
+        after it left ``running``)."""
+        self.drop(req)
 
     def drop(self, req) -> None:
         """Take ``req`` out of whichever queue holds it (a cancelled request; its memory

@@ -64,8 +64,8 @@ class Budget:
         self.computed, self.steps, self.prefill_steps = 0, [], 0
 
     def __call__(self, engine):
-        new = engine.counts.computed_tokens - self.computed
-        self.computed = engine.counts.computed_tokens
+        new = engine.memory.counts.computed_tokens - self.computed
+        self.computed = engine.memory.counts.computed_tokens
         decoded = engine.history[-1]["decoded"]
         self.steps.append(new + decoded)
         self.prefill_steps += new > 0
@@ -81,7 +81,7 @@ def _run(model, params, config, budget):
                     prefix_caching=caching, preemption=preemption,
                     host_blocks=host_blocks, token_budget=budget, on_step=watch)
     reqs = engine.generate(prompts, params)
-    assert engine.manager.allocator.num_free == blocks and len(engine.manager) == 0
+    assert engine.memory.manager.allocator.num_free == blocks and len(engine.memory.manager) == 0
     return engine, watch, [[s.generated for s in r.outputs()] for r in reqs]
 
 
@@ -103,7 +103,7 @@ def test_budgeted_runs_preempt_too(tiny, expected, config, budget):
     """In every tight configuration a budgeted run preempts as well (the sampled requests
     do), so the answers are checked across preemptions under a budget."""
     engine, watch, got = _run(tiny, PARAMS["sampled"], config, budget)
-    assert engine.counts.preemptions > 0
+    assert engine.memory.counts.preemptions > 0
     assert got == expected["sampled"]
     assert max(watch.steps) <= budget, watch.steps
 
@@ -174,9 +174,9 @@ def test_cancelling_a_request_in_the_middle_of_its_prefill(tiny):
     late = e.submit(long, params)
     e.step()
     e.step()
-    assert late in e.scheduler.prefilling and 0 < e.manager.num_tokens(late.live[0].seq_id)
+    assert late in e.scheduler.prefilling and 0 < e.memory.manager.num_tokens(late.live[0].seq_id)
     assert e.cancel(late) is True
-    assert late not in e.scheduler.prefilling and late not in e.running
+    assert late not in e.scheduler.prefilling and late not in e.scheduler.running
     e.run()
     assert [r.outputs()[0].generated for r in first] == expect
-    assert e.manager.allocator.num_free == 200
+    assert e.memory.manager.allocator.num_free == 200

@@ -1,16 +1,22 @@
-"""The engine's step as schedule -> execute -> update: the state a step leaves on the engine
-(none: only what lasts between steps), what one :class:`~pagedkv.scheduler.Schedule` holds,
-and the swap copies going through the runner (the engine touches no device array).
+"""The engine's step as plan -> run -> update: the state a step leaves on the engine (none:
+only what lasts between steps), what one :class:`~pagedkv.scheduler.Plan` holds and that it
+cannot be changed, the swap copies going through the runner (the engine touches no device
+array), and the engine's shape (no mixins, no forwarding properties).
 """
+import dataclasses
+import inspect
+
 import numpy as np
 import pytest
 
+from pagedkv.config import EngineConfig
+from pagedkv.errors import ConfigError
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.requests import SamplingParams
 from pagedkv.model.runner import ModelRunner
-from pagedkv.scheduler import Schedule
+from pagedkv.scheduler import Plan
 
 single_thread_blas()
 
@@ -20,8 +26,8 @@ SEED = 4242
 BS = 8
 
 #: Everything an engine keeps on itself: its parts, its settings, and what lasts.
-ENGINE_FIELDS = {"model", "runner", "memory", "scheduler", "stop_ids", "prefill_chunk",
-                 "audit", "on_step", "finished", "history", "ahead"}
+ENGINE_FIELDS = {"config", "model", "memory", "runner", "scheduler", "depth", "flight",
+                 "finished", "history", "on_step"}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +45,8 @@ ENGINES = {
     "plain": dict(),
     "swap": dict(preemption="swap", host_blocks=64, num_blocks=12),
     "cache+budget": dict(prefix_caching=True, token_budget=16),
-    "fast single pass": dict(runner="fast-eager", single_pass=True, token_budget=16),
     "fast bookkeeping": dict(bookkeeping="fast", max_seqs=3),
-    "overlap": dict(runner="fast-eager", overlap=True, prefix_caching=True),
+    "ahead": dict(runner="fast-eager", overlap=True, prefix_caching=True),
 }
 
 
@@ -60,27 +65,40 @@ def test_the_engine_keeps_at_most_twelve_fields(tiny, name):
     engine.run()
     assert set(vars(engine)) == ENGINE_FIELDS and len(ENGINE_FIELDS) <= 12
     if name == "swap":
-        assert engine.counts.swapped_out > 0    # the run did swap
+        assert engine.memory.counts.swapped_out > 0    # the run did swap
 
 
-def test_a_step_is_one_schedule(tiny, monkeypatch):
-    """The schedule the scheduler returns is the one the engine executes and updates."""
+def test_the_engine_is_one_class_without_forwarding_properties():
+    assert Engine.__bases__ == (object,)
+    assert not [n for n, v in vars(Engine).items() if isinstance(v, property)]
+
+
+def test_a_step_is_one_plan(tiny, monkeypatch):
+    """The plan the scheduler makes is the one the runner runs and the update applies; it
+    cannot be changed."""
     engine = Engine(tiny, num_blocks=200, block_size=BS, stop_ids=())
     reqs = [engine.submit(p, SamplingParams(max_new_tokens=3)) for p in _prompts(3)]
-    seen = []
-    execute = engine.execute
-    monkeypatch.setattr(engine, "execute", lambda s: (seen.append(s), execute(s))[1])
+    launched, updated = [], []
+    launch, update = engine.runner.launch, engine.update
+    monkeypatch.setattr(engine.runner, "launch", lambda p: (launched.append(p), launch(p))[1])
+    monkeypatch.setattr(engine, "update", lambda p, o: (updated.append(p), update(p, o))[1])
     engine.step()                                  # all three prefilled, then decoded
-    (first,) = seen
-    assert isinstance(first, Schedule) and first is engine.scheduler.schedule
+    (first,) = launched
+    assert isinstance(first, Plan) and updated == [first] and first.number == 0
     assert [c.req for c in first.chunks] == reqs and all(c.last for c in first.chunks)
-    assert first.parts == []                       # every part computed
-    assert first.decodes == reqs and len(first.seqs) == 3 and first.plan is not None
-    assert first.preempted == [] and first.finished == []
+    assert [r for r, _ in first.parts] == reqs and all(p.first for _, p in first.parts)
+    assert first.decodes == tuple(reqs) and len(first.rows.seqs) == 3
+    # each request draws twice: its first token (its prefill's last row), then the next
+    d = first.draws
+    assert d.rows.tolist() == [0, 1, 2, 3, 4, 5] and d.counters.tolist() == [0] * 3 + [1] * 3
+    assert d.follow.tolist() == [0, 1, 2] and d.inputs.tolist() == [-1] * 3
+    assert first.preempted == ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.rows = None
     assert engine.history[-1]["decoded"] == 3
-    engine.step()
-    last = seen[-1]
-    assert last is not first and last.chunks == [] and last.finished == reqs
+    assert engine.step() == reqs                   # the third token: every one done
+    last = launched[-1]
+    assert last is not first and last.chunks == () and last.draws.follow.tolist() == [3, 4, 5]
     assert engine.finished == reqs
 
 
@@ -97,7 +115,36 @@ def test_swap_copies_go_through_the_runner(tiny, monkeypatch):
     engine = Engine(tiny, num_blocks=12, block_size=BS, stop_ids=(0,), audit=True,
                     preemption="swap", host_blocks=64)
     engine.generate(_prompts(), SamplingParams(max_new_tokens=12))
-    c = engine.counts
+    c = engine.memory.counts
     assert c.swapped_out > 0 and c.swapped_in > 0
     assert sum(o for _, _, o in calls) == c.swapped_out
     assert sum(i for _, i, _ in calls) == c.swapped_in
+
+
+def test_settings_are_one_frozen_config(tiny):
+    """Keywords and an EngineConfig build the same engine; the config is checked once, with
+    errors that name the setting."""
+    config = EngineConfig(num_blocks=32, block_size=BS, max_seqs=4, stop_ids=(3, 1))
+    assert Engine(tiny, config).config == Engine(tiny, num_blocks=32, block_size=BS,
+                                                 max_seqs=4, stop_ids=[1, 3]).config
+    assert Engine(tiny, config, max_seqs=2).config == config.replace(max_seqs=2)
+    assert config.stop_ids == (1, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_seqs = 8
+    for bad, match in [(dict(num_blocks=0), "num_blocks"), (dict(runner="gpu"), "runner"),
+                       (dict(preemption="swap"), "host_blocks"),
+                       (dict(watermark=1.5), "watermark"), (dict(blocks=4), "no setting"),
+                       (dict(token_budget=0), "token_budget"), (dict(stop_ids=[-1]), "stop_ids"),
+                       (dict(bookkeeping="slow"), "bookkeeping")]:
+        with pytest.raises(ConfigError, match=match):
+            Engine(tiny, **(dict(num_blocks=8) | bad))
+    with pytest.raises(ConfigError, match="num_blocks"):
+        Engine(tiny)
+
+
+def test_the_engine_module_reads_as_three_calls():
+    """``step`` is the loop: schedule, launch, land and update, nothing else."""
+    body = inspect.getsource(Engine.step)
+    for call in ("self.scheduler.schedule()", "self.runner.launch(plan)",
+                 "self.runner.land(launched)", "self.update(plan"):
+        assert call in body

@@ -29,19 +29,19 @@ def test_history_is_read_from_counters_and_equals_stats(tiny, monkeypatch):
     seen = []
 
     def check(engine):
-        s = engine.manager.stats()
+        s = engine.memory.manager.stats()
         h = engine.history[-1]
         seen.append(h["shared_blocks"])
         assert (h["used_blocks"], h["shared_blocks"], h["blocks_saved"], h["sequences"],
                 h["tokens"]) == (s.used_blocks, s.shared_blocks, s.blocks_saved_by_sharing,
                                  s.sequences, s.tokens)
-        assert engine.manager.allocator.num_shared == s.shared_blocks
+        assert engine.memory.manager.allocator.num_shared == s.shared_blocks
 
     engine = Engine(tiny, num_blocks=60, block_size=4, stop_ids=(0,), audit=True,
                     on_step=check, prefix_caching=True)
-    stats = engine.manager.stats
+    stats = engine.memory.manager.stats
     calls = []
-    monkeypatch.setattr(engine.manager, "stats", lambda: calls.append(1) or stats())
+    monkeypatch.setattr(engine.memory.manager, "stats", lambda: calls.append(1) or stats())
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 96, n).tolist() for n in (9, 14, 5)]
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=8, beam_width=3))
@@ -73,7 +73,7 @@ def test_a_prompt_is_hashed_once_per_admission(tiny, monkeypatch):
     engine.generate([prompt], SamplingParams(max_new_tokens=1))
     calls.clear()
     (req,) = engine.generate([prompt], SamplingParams(max_new_tokens=1))
-    assert engine.counts.cached_tokens == 252
+    assert engine.memory.counts.cached_tokens == 252
     assert len(calls) == 63
 
 
@@ -82,17 +82,17 @@ def test_a_recomputed_sequence_is_hashed_once_per_admission(tiny, monkeypatch):
     while it waits) and prefill: its tokens are hashed once for all of that."""
     engine = Engine(tiny, num_blocks=12, block_size=4, stop_ids=(), prefix_caching=True)
     calls = []
-    real = engine.manager.prompt
+    real = engine.memory.manager.prompt
     def counted(tokens):                          # (a Prompt passes through unhashed)
         if not isinstance(tokens, prefix_cache.Prompt):
             calls.append(len(tokens))
         return real(tokens)
-    monkeypatch.setattr(engine.manager, "prompt", counted)
+    monkeypatch.setattr(engine.memory.manager, "prompt", counted)
     rng = np.random.default_rng(2)
     reqs = engine.generate([rng.integers(1, 96, 10).tolist() for _ in range(3)],
                            SamplingParams(max_new_tokens=16))
-    assert engine.counts.preemptions > 0
-    assert len(calls) == 3 + engine.counts.preemptions   # submit, and once per return
+    assert engine.memory.counts.preemptions > 0
+    assert len(calls) == 3 + engine.memory.counts.preemptions   # submit, and once per return
     assert all(len(r.outputs()[0].generated) == 16 for r in reqs)
 
 
@@ -102,4 +102,4 @@ def test_a_prompt_breaking_the_token_rule_is_refused(tiny, bad):
     engine = Engine(tiny, num_blocks=20, block_size=4)
     with pytest.raises(ConfigError, match="token ids"):
         engine.submit(bad)
-    assert not engine.waiting
+    assert not engine.scheduler.waiting

@@ -63,8 +63,8 @@ def test_engine_equals_reference(tiny, kind, block_size):
     for req, prompt in zip(reqs, prompts):
         expect = [(s.generated, s.score) for s in reference_generate(tiny, prompt, params, STOP)]
         _same(_answers(req), expect)
-    assert engine.manager.allocator.num_free == 300 and len(engine.manager) == 0
-    engine.manager.audit()
+    assert engine.memory.manager.allocator.num_free == 300 and len(engine.memory.manager) == 0
+    engine.memory.manager.audit()
 
 
 def test_beam_search_shares_and_copies_on_write(tiny):
@@ -72,7 +72,7 @@ def test_beam_search_shares_and_copies_on_write(tiny):
     (req,) = engine.generate(_prompts(SEED, (21,)), PARAMS["beam4"])
     assert len(req.outputs()) == 4
     assert len({tuple(s.generated) for s in req.outputs()}) == 4       # four different beams
-    assert engine.kv.copies_done > 0                                  # copy-on-write happened
+    assert engine.runner.kv.copies_done > 0                                  # copy-on-write happened
     assert max(h["shared_blocks"] for h in engine.history) > 0        # and blocks were shared
     assert max(h["blocks_saved"] for h in engine.history) > 0
 
@@ -119,7 +119,7 @@ def test_a_small_pool_runs_requests_in_turn(tiny):
     engine = Engine(tiny, num_blocks=3, block_size=16, stop_ids=STOP, audit=True)
     reqs = engine.generate(prompts, params)
     assert max(h["running"] for h in engine.history) == 3
-    assert engine.counts.preemptions > 0
+    assert engine.memory.counts.preemptions > 0
     for req, prompt in zip(reqs, prompts):
         _same(_answers(req), [(s.generated, s.score)
                               for s in reference_generate(tiny, prompt, params, STOP)])
@@ -156,7 +156,7 @@ def test_bad_requests(tiny):
         engine.submit([1] * 500, SamplingParams(max_new_tokens=20))
     with pytest.raises(ConfigError, match="blocks"):
         engine.submit([1] * 60, SamplingParams(max_new_tokens=20))   # 5 blocks, pool of 4
-    assert not engine.waiting
+    assert not engine.scheduler.waiting
 
 
 def test_beam_select_ranks_and_ends():
@@ -212,7 +212,7 @@ def test_stops_on_an_id_the_model_emits(tiny, kind):
         assert all(stop not in g[:-1] for g, _ in got)        # none goes past a stop
     else:
         assert got[0][0] == best[:i + 1]                     # the same draws, cut at stop
-    assert engine.manager.allocator.num_free == 300
+    assert engine.memory.manager.allocator.num_free == 300
 
 
 @pytest.mark.parametrize("runner", ["plain", "fast"])
@@ -241,7 +241,7 @@ def test_ignore_eos_and_min_tokens(tiny, kind, runner):
         assert stop not in g[:m] and (len(g) == params.max_new_tokens or g[-1] == stop)
         assert stop not in g[:-1]
     assert req.outputs()[0].generated[:i] == best[:i]     # the same choices before it
-    assert engine.manager.allocator.num_free == 300
+    assert engine.memory.manager.allocator.num_free == 300
 
 
 # ------------------------------------------------------- sampling the batch in one call
@@ -334,7 +334,7 @@ def test_batch_sampling_min_tokens_and_stops(tiny, kind):
     for s in req.outputs():
         g = s.generated
         assert stop not in g[:m] and (len(g) == params.max_new_tokens or g[-1] == stop)
-    assert engine.manager.allocator.num_free == 300
+    assert engine.memory.manager.allocator.num_free == 300
 
 
 def test_bad_top_k():

@@ -238,7 +238,7 @@ def test_real_model_greedy_paris_and_identical_to_reference(smollm2):
     answer = req.outputs()[0].generated
     assert "Paris" in tok.decode(answer)
     assert answer == reference_generate(model, prompt, params, [tok.eos_id])[0].generated
-    assert engine.manager.allocator.num_free == 8
+    assert engine.memory.manager.allocator.num_free == 8
 
 
 # ---------------------------------------------------------------------- on a GPU
@@ -262,7 +262,7 @@ def test_cupy_float32_generation_equals_reference(tiny):
             assert [s.generated for s in req.outputs()] == [s.generated for s in expect]
             assert np.allclose([s.score for s in req.outputs()], [s.score for s in expect],
                                atol=1e-3)
-        assert engine.manager.allocator.num_free == 300
+        assert engine.memory.manager.allocator.num_free == 300
 
 
 @on_gpu

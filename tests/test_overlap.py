@@ -1,23 +1,26 @@
-"""The overlapped loop (``Engine(overlap=True)``, pagedkv/model/overlap.py) against the plain
-loop as oracle: the same tokens, request for request, under late stops, prefix caching,
-preemption by recompute and swap, token budgets, requests that arrive and leave mid-run,
-sampled and beam requests beside greedy ones, cancellation while a step is in flight, and
-both bookkeepings; the pool is whole at the end and audited after every step. Then the
-manager's reserve/commit split on its own. Seeds are fixed and printed.
+"""The engine's loop with the device running ahead (``depth`` 1, ``Engine(overlap=True)``) and
+without (``depth`` 0), both on the CPU, against the contiguous-cache oracle: every request —
+greedy, sampled, ``n`` samples, beam search, ``min_tokens``, ``ignore_eos`` — gets the
+oracle's answer token for token, under late stops, prefix caching, both bookkeepings,
+preemption by recompute and by swap, token budgets, requests that arrive and leave
+mid-run, and cancellation while a step is in flight; the pool is audited after every step
+and whole at the end. Then the manager's reserve/commit split on its own. Seeds are fixed
+and printed.
 """
 import numpy as np
 import pytest
 
 from pagedkv import backend
+from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import ConfigError
+from pagedkv.fast import BlockAllocator as FastAllocator
+from pagedkv.fast.prefix import PrefixCachingManager as FastPrefix
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
+from pagedkv.model.reference import reference_generate
 from pagedkv.model.requests import SamplingParams
-from pagedkv.fast.prefix import PrefixCachingManager as FastPrefix
-from pagedkv.fast import BlockAllocator as FastAllocator
 from pagedkv.prefix_cache import PrefixCachingManager
-from pagedkv.allocator import BlockAllocator
 
 single_thread_blas()
 
@@ -47,7 +50,7 @@ def _run(model, prompts, params, *, arrivals=None, cancel=None, **options):
     arrivals = arrivals or [0] * len(prompts)
     params = params if isinstance(params, list) else [params] * len(prompts)
     reqs, steps = [None] * len(prompts), 0
-    while steps <= max(arrivals) or engine.waiting or engine.running or engine.swapped:
+    while steps <= max(arrivals) or engine.has_work():
         for i, at in enumerate(arrivals):
             if at == steps:
                 reqs[i] = engine.submit(prompts[i], params[i])
@@ -56,89 +59,122 @@ def _run(model, prompts, params, *, arrivals=None, cancel=None, **options):
                 engine.cancel(reqs[i])
         engine.step()
         steps += 1
-    assert engine.manager.allocator.num_free == kw["num_blocks"] or kw.get("prefix_caching")
-    engine.manager.audit()
+    m = engine.memory.manager
+    assert m.allocator.num_free == kw["num_blocks"] or kw.get("prefix_caching")
+    assert len(m) == 0 and not m.pending()
+    m.audit()
     return engine, [[s.generated for s in r.outputs()] for r in reqs]
 
 
+def _oracle(model, prompts, params):
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    return [[s.generated for s in reference_generate(model, p, q, STOPS)]
+            for p, q in zip(prompts, params)]
+
+
 GREEDY = SamplingParams(max_new_tokens=30)
+MIXED = [GREEDY, SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
+         SamplingParams(max_new_tokens=10, temperature=1.0, top_k=5, n=3, seed=5),
+         SamplingParams(max_new_tokens=10, beam_width=3),
+         SamplingParams(max_new_tokens=20, min_tokens=15),
+         SamplingParams(max_new_tokens=9, temperature=0.7, min_tokens=6, seed=8),
+         SamplingParams(max_new_tokens=14, ignore_eos=True)]
 CASES = {
     "late stops": dict(),
+    "plain runner": dict(runner="plain"),
     "prefix caching": dict(prefix_caching=True),
     "fast bookkeeping": dict(bookkeeping="fast", prefix_caching=True),
-    "recompute": dict(num_blocks=14),
-    "swap": dict(num_blocks=14, preemption="swap", host_blocks=64),
-    "budget": dict(token_budget=24, max_seqs=4),
-    "single pass": dict(runner="fast-eager", single_pass=True, token_budget=24),
+    "recompute": dict(num_blocks=12),
+    "swap": dict(num_blocks=12, preemption="swap", host_blocks=64),
+    "budget": dict(token_budget=24, max_seqs=6),
 }
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["depth 0", "depth 1"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_overlap_gives_the_plain_loops_tokens(tiny, name):
+def test_every_request_gets_the_oracles_answer(tiny, name, overlap):
     print(f"seed={SEED}")
     prompts = _prompts(SEED)
     arrivals = [0, 0, 3, 3, 9, 17, 30]                  # requests join a running batch
-    plain_engine, plain = _run(tiny, prompts, GREEDY, arrivals=arrivals, **CASES[name])
-    engine, ahead = _run(tiny, prompts, GREEDY, arrivals=arrivals, overlap=True,
-                         **CASES[name])
-    assert ahead == plain
-    assert engine.ahead.ahead > 0 and engine.ahead.flying is None
-    stopped = sum(len(o[0]) < GREEDY.max_new_tokens for o in plain)
+    engine, got = _run(tiny, prompts, MIXED, arrivals=arrivals, overlap=overlap,
+                       **CASES[name])
+    assert engine.depth == int(overlap)
+    assert got == _oracle(tiny, prompts, MIXED)
+    stopped = sum(len(o[0]) < p.max_new_tokens for o, p in zip(got, MIXED))
     assert stopped > 0                                  # some stopped on an end token
     if "num_blocks" in CASES[name]:
-        assert engine.counts.preemptions > 0
+        assert engine.memory.counts.preemptions > 0
+    if name == "recompute":
+        assert engine.memory.counts.recomputed_tokens > 0   # answers begun, computed again
+    if name == "swap":
+        assert engine.memory.counts.swapped_out > 0
 
 
-def test_overlap_beside_sampled_beam_and_min_tokens_requests(tiny):
-    """Requests that cannot go ahead make their steps plain; the tokens stay the same."""
-    print(f"seed={SEED}")
-    prompts = _prompts(SEED + 1, 6)
-    params = [GREEDY, SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
-              GREEDY, SamplingParams(max_new_tokens=10, beam_width=3),
-              SamplingParams(max_new_tokens=20, min_tokens=15), GREEDY]
-    arrivals = [0, 0, 2, 20, 40, 41]
-    _, plain = _run(tiny, prompts, params, arrivals=arrivals)
-    engine, ahead = _run(tiny, prompts, params, arrivals=arrivals, overlap=True)
-    assert ahead == plain
-    assert engine.ahead.ahead > 0 and engine.ahead.plain > 0
+@pytest.mark.parametrize("name", ["late stops", "swap", "budget"])
+def test_greedy_batches_give_the_same_tokens_ahead_and_not(tiny, name):
+    """Greedy requests only (every step of the loop runs ahead): the same answers, and
+    the loop ran ahead."""
+    prompts = _prompts(SEED + 1)
+    _, plain = _run(tiny, prompts, GREEDY, **CASES[name])
+    engine, ahead = _run(tiny, prompts, GREEDY, overlap=True, **CASES[name])
+    assert ahead == plain == _oracle(tiny, prompts, GREEDY)
 
 
 def test_blocks_named_ahead_are_found_by_their_tokens(tiny):
     """The blocks a generated answer filled are named at commit by their true ids: its
-    prompt + answer, submitted again, finds as many cached tokens as after the plain loop."""
+    prompt + answer, submitted again, finds as many cached tokens ahead as not."""
     prompts = _prompts(SEED + 2, 5)
     found = []
     for overlap in (False, True):
         engine, out = _run(tiny, prompts, GREEDY, prefix_caching=True, overlap=overlap)
-        before = engine.counts.cached_tokens
+        before = engine.memory.counts.cached_tokens
         again = [p + o[0] for p, o in zip(prompts, out)]
         engine.generate(again, SamplingParams(max_new_tokens=1))
-        found.append((out, engine.counts.cached_tokens - before))
+        found.append((out, engine.memory.counts.cached_tokens - before))
     assert found[0] == found[1]
     assert found[1][1] >= 16 * len(prompts)             # every answer's blocks, found
 
 
-def test_cancel_while_a_step_is_in_flight(tiny):
+@pytest.mark.parametrize("overlap", [False, True], ids=["depth 0", "depth 1"])
+def test_cancel_while_a_step_is_in_flight(tiny, overlap):
     """A cancelled request keeps a prefix of its answer; the others are unchanged; every
     block comes back."""
     print(f"seed={SEED}")
     prompts = _prompts(SEED + 3, 5)
-    _, plain = _run(tiny, prompts, GREEDY)
-    long = [i for i, p in enumerate(plain) if len(p[0]) == GREEDY.max_new_tokens]
+    _, plain = _run(tiny, prompts, MIXED[:5])
+    long = [i for i, p in enumerate(plain) if len(p[0]) == MIXED[i].max_new_tokens
+            and MIXED[i].beam_width == 1]
     assert len(long) >= 2                              # two that would run to their limit
-    cancel = {long[0]: 4, long[1]: 11}
-    engine, ahead = _run(tiny, prompts, GREEDY, cancel=cancel, overlap=True)
-    for i, (a, p) in enumerate(zip(ahead, plain)):
+    cancel = {long[0]: 4, long[1]: 7}
+    engine, got = _run(tiny, prompts, MIXED[:5], cancel=cancel, overlap=overlap)
+    for i, (a, p) in enumerate(zip(got, plain)):
         if i in cancel:
-            assert p[0][:len(a[0])] == a[0] and len(a[0]) < len(p[0])
+            assert all(p[j][:len(a[j])] == a[j] for j in range(len(a)))
+            assert len(a[0]) < len(p[0])
         else:
             assert a == p
-    assert engine.manager.allocator.num_free == 300
+    assert engine.memory.manager.allocator.num_free == 300
 
 
-def test_overlap_needs_a_fast_runner(tiny):
-    with pytest.raises(ConfigError, match="fast runner"):
-        Engine(tiny, num_blocks=16, overlap=True)
+def test_a_step_ahead_lands_one_step_later(tiny):
+    """With depth 1 a step's tokens land at the next step; a step with beam rows lands at
+    once."""
+    engine = Engine(tiny, num_blocks=64, stop_ids=(), runner="fast-eager", overlap=True)
+    req = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=3))
+    assert engine.step() == [] and len(engine.flight) == 1
+    assert req.live[0].num_generated == 0 and req.live[0].planned == 2
+    engine.step()                                      # lands the first: two tokens
+    assert req.live[0].num_generated == 2 and len(engine.flight) == 1
+    assert engine.step() == [req] and req.done
+    assert engine.step() == [] and not engine.flight and not engine.has_work()
+    beam = engine.submit([4, 5], SamplingParams(max_new_tokens=3, beam_width=2))
+    engine.step()
+    assert not engine.flight and len(beam.live) == 2   # ranked on the host, now
+
+
+def test_overlap_must_be_a_bool(tiny):
+    with pytest.raises(ConfigError, match="overlap must be"):
+        Engine(tiny, num_blocks=16, overlap="yes")
 
 
 # ------------------------------------------------------------------ reserve and commit
@@ -202,13 +238,14 @@ def test_reserve_refusals(kind):
 
 @gpu
 @pytest.mark.parametrize("name", ["late stops", "prefix caching", "swap", "budget"])
-def test_overlap_on_the_gpu_gives_the_plain_loops_tokens(name):
-    """float32, CUDA graphs: the overlapped loop's tokens are the plain fast loop's."""
+def test_ahead_on_the_gpu_gives_the_oracles_answers(name):
+    """float32, CUDA graphs, the device running ahead: every request of every kind gets
+    the contiguous oracle's answer (computed on the CPU)."""
+    cpu = Llama(TINY, random_weights(TINY, SEED), xp=np)
     m32 = Llama(TINY, random_weights(TINY, SEED), dtype=np.float32)
     prompts = _prompts(SEED)
     arrivals = [0, 0, 3, 3, 9, 17, 30]
     opts = CASES[name] | dict(runner="fast")
-    _, plain = _run(m32, prompts, GREEDY, arrivals=arrivals, **opts)
-    engine, ahead = _run(m32, prompts, GREEDY, arrivals=arrivals, overlap=True, **opts)
-    assert ahead == plain
-    assert engine.ahead.ahead > 0 and engine.runner._graphs
+    engine, got = _run(m32, prompts, MIXED, arrivals=arrivals, **opts)
+    assert engine.depth == 1 and engine.runner._graphs
+    assert got == _oracle(cpu, prompts, MIXED)

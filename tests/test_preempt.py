@@ -68,9 +68,9 @@ def _run(model, prompts, params, config):
     engine = Engine(model, num_blocks=blocks, block_size=BS, stop_ids=STOP, audit=True,
                     prefix_caching=caching, preemption=preemption, host_blocks=host_blocks)
     reqs = engine.generate(prompts, params)
-    assert engine.manager.allocator.num_free == blocks and len(engine.manager) == 0
-    if engine.swapper is not None:
-        assert engine.swapper.host.num_used == 0 and not engine.swapper.swapped
+    assert engine.memory.manager.allocator.num_free == blocks and len(engine.memory.manager) == 0
+    if engine.memory.swapper is not None:
+        assert engine.memory.swapper.host.num_used == 0 and not engine.memory.swapper.swapped
     return engine, [[(s.generated, s.score) for s in r.outputs()] for r in reqs]
 
 
@@ -91,7 +91,7 @@ def test_answers_do_not_change(tiny, expected, kind, config):
     engine, got = _run(tiny, _prompts(), PARAMS[kind], config)
     _same(got, expected[kind])
     caching, preemption, host_blocks, pool = CONFIGS[config]
-    c = engine.counts
+    c = engine.memory.counts
     if pool == "tight":
         assert c.preemptions > 0, "the tight pool must preempt"
     else:
@@ -115,9 +115,9 @@ def test_recompute_hits_the_cache_on_return(tiny):
     prompts, params = _prompts(tails=(1, 2, 3)), SamplingParams(max_new_tokens=40)
     off, _ = _run(tiny, prompts, params, "recompute")
     on, _ = _run(tiny, prompts, params, "cache+recompute")
-    assert off.counts.preemptions > 0 and on.counts.preemptions > 0
-    assert off.counts.refound_tokens == 0 and on.counts.refound_tokens > 0
-    assert on.counts.recomputed_tokens < off.counts.recomputed_tokens
+    assert off.memory.counts.preemptions > 0 and on.memory.counts.preemptions > 0
+    assert off.memory.counts.refound_tokens == 0 and on.memory.counts.refound_tokens > 0
+    assert on.memory.counts.recomputed_tokens < off.memory.counts.recomputed_tokens
 
 
 def test_one_copy_per_direction_per_step(tiny, monkeypatch):
@@ -147,16 +147,16 @@ def test_admission_now_later_never(tiny):
     with pytest.raises(ConfigError, match="runs 3 sequences; at most 2"):
         Engine(tiny, num_blocks=64, block_size=BS, max_seqs=2).submit(
             prompt, SamplingParams(max_new_tokens=4, beam_width=3))
-    assert not engine.waiting                          # refused requests are never queued
+    assert not engine.scheduler.waiting                          # refused requests are never queued
     a = engine.submit(prompt, SamplingParams(max_new_tokens=40))     # 9 blocks at most
     b = engine.submit(prompt[:20], SamplingParams(max_new_tokens=40))
     assert engine.memory.admission(a) == ("now", "")          # 4 blocks for its prompt
     assert engine.memory.admission(b, promised=8) == ("later", "needs 3 free blocks (watermark "
                                                         "included), 2 are free")
     engine.step()
-    assert engine.running == [a, b]                    # 4 + 3 blocks: both fit now
+    assert engine.scheduler.running == [a, b]                    # 4 + 3 blocks: both fit now
     engine.run()
-    assert a.done and b.done and engine.counts.preemptions > 0   # but not as they grow
+    assert a.done and b.done and engine.memory.counts.preemptions > 0   # but not as they grow
     for req, p in ((a, prompt), (b, prompt[:20])):
         expect = reference_generate(tiny, p, req.params, STOP)[0].generated
         assert req.outputs()[0].generated == expect
@@ -200,7 +200,7 @@ def test_real_model_same_answers_with_cache_and_preemption(smollm2):
         engine = Engine(model, block_size=16, stop_ids=[tok.eos_id], audit=True, **kw)
         reqs = engine.generate(prompts, params)
         assert [r.outputs()[0].generated for r in reqs] == expect, name
-        c = engine.counts
+        c = engine.memory.counts
         assert (c.cached_tokens >= 3 * 16) == name.startswith("cache"), name
         assert (c.preemptions > 0) == (kw["num_blocks"] == 6), name
 
@@ -227,11 +227,11 @@ def test_many_samples_come_back_with_the_prefix_cache(tiny, preemption, budget):
                     host_blocks=64 if preemption == "swap" else 0, max_seqs=32)
     reqs = [engine.submit(p, q) for p, q in zip(prompts, params)]
     engine.run()
-    assert engine.counts.preemptions > 0 and engine.manager.cache.evictions > 0
+    assert engine.memory.counts.preemptions > 0 and engine.memory.manager.cache.evictions > 0
     if preemption == "recompute":
-        assert engine.counts.refound_tokens > 0       # some of them found their blocks
+        assert engine.memory.counts.refound_tokens > 0       # some of them found their blocks
     for req, p, q in zip(reqs, prompts, params):
         expect = [s.generated for s in reference_generate(tiny, p, q, STOP)]
         assert sorted(s.generated for s in req.outputs()) == sorted(expect)
-    assert engine.manager.allocator.num_free == engine.manager.allocator.num_blocks
-    assert len(engine.manager) == 0
+    assert engine.memory.manager.allocator.num_free == engine.memory.manager.allocator.num_blocks
+    assert len(engine.memory.manager) == 0

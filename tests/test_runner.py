@@ -135,7 +135,7 @@ def _generate(model, runner, params, num_blocks=300, prompts=None, **options):
     engine = Engine(model, num_blocks=num_blocks, block_size=16, stop_ids=(0,), audit=True,
                     runner=runner, **options)
     reqs = engine.generate(prompts or _prompts(SEED), params)
-    assert engine.manager.allocator.num_free == num_blocks
+    assert engine.memory.manager.allocator.num_free == num_blocks
     return engine, [[s.generated for s in r.outputs()] for r in reqs]
 
 
@@ -154,7 +154,7 @@ def test_fast_runner_under_preemption_and_swap(tiny):
         opts = dict(preemption=preemption, host_blocks=40 if preemption == "swap" else 0)
         e_plain, plain = _generate(tiny, "plain", params, num_blocks=10, **opts)
         e_fast, fast = _generate(tiny, "fast", params, num_blocks=10, **opts)
-        assert e_fast.counts.preemptions > 0
+        assert e_fast.memory.counts.preemptions > 0
         assert fast == plain
 
 
@@ -304,7 +304,7 @@ def test_graphs_equal_eager_and_plain_on_gpu(kind):
         reqs = [engine.submit(p, PARAMS[kind]) for p in _prompts(SEED)]
         for _ in range(6):
             engine.step()
-        pools.append(engine.kv.allocator.pool.get())
+        pools.append(engine.runner.kv.allocator.pool.get())
         engine.run()
         tokens.append([[s.generated for s in r.outputs()] for r in reqs])
     assert tokens[0] == tokens[1]
@@ -327,7 +327,7 @@ def test_graph_replays_after_blocks_move():
         assert e_fast.runner._graphs, "the fast engine replayed no graph"
         assert fast == plain, opts
         if "prefix_caching" in opts:
-            assert e_fast.counts.cached_tokens > 0
+            assert e_fast.memory.counts.cached_tokens > 0
 
 
 # ------------------------------------------------------------------ graph node counts

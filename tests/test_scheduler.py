@@ -46,17 +46,18 @@ class Counted(Memory):
         return cdiv(self.target(r), self.block) - self.held.get(r.rid, 0)
 
     def _take(self, r, n):
+        """() if the blocks for ``n`` more tokens were free (taken), else None."""
         need = cdiv(r.placed + n, self.block) - self.held.get(r.rid, 0)
         if need > self.free:
-            return False
+            return None
         self.free -= need
         self.held[r.rid] = self.held.get(r.rid, 0) + need
         r.placed += n
-        return True
+        return ()
 
     def admit(self, r, n, promised):
         if cdiv(self.target(r), self.block) + promised > self.free:
-            return False
+            return None
         return self._take(r, n)
 
     def prefill(self, r, n):
@@ -65,18 +66,18 @@ class Counted(Memory):
     def grow(self, reqs):
         need = sum(cdiv(r.placed + 1, self.block) - self.held[r.rid] for r in reqs)
         if need > self.free:
-            return False
+            return None
         for r in reqs:
-            assert self._take(r, 1)
+            assert self._take(r, 1) is not None
         return True
 
     def release(self, r):
         self.free += self.held.pop(r.rid)
         r.placed = 0
 
-    def preempt(self, r):
+    def preempt(self, r, placed):
         self.release(r)
-        return False
+        return False, None
 
 
 def test_decodes_first_then_chunks_in_order():
@@ -84,14 +85,14 @@ def test_decodes_first_then_chunks_in_order():
     s = Scheduler(mem, max_seqs=8, token_budget=10)
     a, b, c = Req(0, 3, 5), Req(1, 12, 5), Req(2, 4, 5)
     s.waiting.extend([a, b, c])
-    chunks = s.prefill().chunks
+    plan = s.schedule()
     # a: 3 tokens + its decode = 4; b: 6 of its 12 (it cannot finish); c: nothing left
-    assert chunks == [Chunk(a, 3, True), Chunk(b, 6, False)]
+    assert plan.chunks == (Chunk(a, 3, True), Chunk(b, 6, False))
     assert list(s.waiting) == [c] and s.refused is c
-    assert s.decode() == [a]
+    assert plan.decodes == (a,) and plan.number == 0
     a.generated += 1
-    chunks = s.prefill().chunks       # a decodes (1), b's remaining 6 + its decode (7), c: 2
-    assert chunks == [Chunk(b, 6, True), Chunk(c, 2, False)]
+    plan = s.schedule()               # a decodes (1), b's remaining 6 + its decode (7), c: 2
+    assert plan.chunks == (Chunk(b, 6, True), Chunk(c, 2, False)) and plan.number == 1
 
 
 def test_without_chunking_a_prefill_that_does_not_fit_waits():
@@ -99,7 +100,7 @@ def test_without_chunking_a_prefill_that_does_not_fit_waits():
     s = Scheduler(mem, token_budget=10, chunked_prefill=False)
     a, b = Req(0, 12, 5), Req(1, 2, 5)
     s.waiting.extend([a, b])
-    assert s.prefill().chunks == [] and s.refused is a    # first come, first served: b waits too
+    assert s.schedule().chunks == () and s.refused is a   # first come, first served: b waits too
     assert list(s.waiting) == [a, b]
 
 
@@ -108,16 +109,16 @@ def test_no_budget_prefills_everything_admitted():
     s = Scheduler(mem, token_budget=None)
     reqs = [Req(i, 100 + i, 3) for i in range(5)]
     s.waiting.extend(reqs)
-    assert [c.tokens for c in s.prefill().chunks] == [r.prompt for r in reqs]
+    assert [c.tokens for c in s.schedule().chunks] == [r.prompt for r in reqs]
 
 
 def test_max_seqs_and_memory_stop_admission():
     s = Scheduler(Counted(100), max_seqs=2, token_budget=None)
     s.waiting.extend(Req(i, 4, 3) for i in range(3))
-    assert len(s.prefill().chunks) == 2 and s.refused is None and len(s.waiting) == 1
+    assert len(s.prefill()) == 2 and s.refused is None and len(s.waiting) == 1
     s = Scheduler(Counted(2), token_budget=None)   # blocks of 4: 8 tokens fit, not 12
     s.waiting.extend([Req(0, 8, 3), Req(1, 4, 3)])
-    assert len(s.prefill().chunks) == 1 and s.refused.rid == 1
+    assert len(s.prefill()) == 1 and s.refused.rid == 1     # (phase 1 alone)
 
 
 def test_preemption_takes_the_newest_and_sends_it_to_the_head():
@@ -125,19 +126,28 @@ def test_preemption_takes_the_newest_and_sends_it_to_the_head():
     s = Scheduler(mem, token_budget=None)
     a, b, c = Req(0, 4, 3), Req(1, 3, 3), Req(2, 1, 1)
     s.waiting.extend([a, b, c])
-    s.prefill()
+    s.prefill()                      # phase 1 alone: both admitted
     assert s.running == [a, b] and list(s.waiting) == [c]
-    assert s.decode() == [a] and s.schedule.preempted == [b]   # a needs a second block: b gives it
+    assert s.decode() == [a]         # phase 2: a needs a second block, b gives it back
     assert list(s.waiting) == [b, c] and mem.held == {0: 2}
+
+
+def test_a_request_preempted_in_the_step_that_placed_it_leaves_the_plan():
+    mem = Counted(2)                 # 8 tokens
+    s = Scheduler(mem, token_budget=None)
+    a, b, c = Req(0, 4, 3), Req(1, 3, 3), Req(2, 1, 1)
+    s.waiting.extend([a, b, c])
+    plan = s.schedule()              # a and b admitted; a's decode preempts b
+    assert plan.chunks == (Chunk(a, 4, True),) and plan.decodes == (a,)
+    assert plan.preempted == (b,) and list(s.waiting) == [b, c]
 
 
 def test_a_request_alone_that_cannot_grow_is_an_audit_error():
     mem = Counted(1)
     s = Scheduler(mem, token_budget=None)
     s.waiting.append(Req(0, 4, 3))
-    s.prefill()
     with pytest.raises(AuditError):
-        s.decode()
+        s.schedule()
 
 
 def test_bad_settings_are_refused():
@@ -161,10 +171,10 @@ def test_random_requests_finish_with_their_tokens(budget, chunked):
     while pending or s:
         while pending and rng.random() < 0.5:
             s.waiting.append(pending.pop(0))
-        chunks = s.prefill().chunks
+        plan = s.schedule()
+        chunks, decoders = plan.chunks, plan.decodes
         charged = {c.req.rid for c in chunks}
         assert len(charged) == len(chunks), "a request charged twice in one step"
-        decoders = s.decode()
         if budget is not None:
             used = sum(c.tokens for c in chunks) + len(decoders)
             assert used <= budget, (steps, used)

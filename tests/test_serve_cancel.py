@@ -35,7 +35,7 @@ def _greedy(n=24):
 
 
 def _held(engine):
-    a = engine.manager.allocator
+    a = engine.memory.manager.allocator
     return a.num_blocks - a.num_free
 
 
@@ -60,22 +60,22 @@ def test_cancel_running_and_waiting(tiny, prefix_caching):
     d = e.submit(prompts[3], _greedy())
     for _ in range(3):
         e.step()
-    assert any(r is b for r in e.running) and list(e.waiting) == [c, d]
+    assert any(r is b for r in e.scheduler.running) and list(e.scheduler.waiting) == [c, d]
     assert len(b.live) == 2
     held = _held(e)
-    b_blocks = {blk for s in b.live for blk in e.manager.block_table(s.seq_id).tolist()}
+    b_blocks = {blk for s in b.live for blk in e.memory.manager.block_table(s.seq_id).tolist()}
     had = [list(s.tokens) for s in b.live]
     assert e.cancel(b) is True
-    assert not any(r is b for r in e.running) and not b.live
+    assert not any(r is b for r in e.scheduler.running) and not b.live
     assert [s.tokens for s in b.finished] == had             # what it had, kept
-    e.manager.audit()
+    e.memory.manager.audit()
     assert _held(e) == held - len(b_blocks)
-    assert e.cancel(d) is True and d not in e.waiting and not d.finished
-    e.manager.audit()
+    assert e.cancel(d) is True and d not in e.scheduler.waiting and not d.finished
+    e.memory.manager.audit()
     e.run()
     assert _answers([a, c]) == expect
     assert b not in e.finished and d not in e.finished
-    assert _held(e) == 0 and len(e.manager) == 0
+    assert _held(e) == 0 and len(e.memory.manager) == 0
     assert e.cancel(a) is False                   # already finished: nothing changes
 
 
@@ -87,17 +87,17 @@ def test_cancel_swapped(tiny):
     reqs = [e.submit(p, _greedy(16)) for p in prompts]
     for _ in range(60):
         e.step()
-        if e.swapped:
+        if e.scheduler.swapped:
             break
-    assert e.swapped, "no request was swapped out: the pool is too large for this test"
-    victim = e.swapped[0]
-    host = e.swapper.host
+    assert e.scheduler.swapped, "no request was swapped out: the pool is too large for this test"
+    victim = e.scheduler.swapped[0]
+    host = e.memory.swapper.host
     used = host.num_blocks - host.num_free
     assert used > 0
     assert e.cancel(victim) is True
-    assert victim not in e.swapped and host.num_free == host.num_blocks
-    e.swapper.audit()
-    e.manager.audit()
+    assert victim not in e.scheduler.swapped and host.num_free == host.num_blocks
+    e.memory.swapper.audit()
+    e.memory.manager.audit()
     e.run()
     assert all(r.done for r in reqs)
     assert _held(e) == 0
@@ -113,8 +113,8 @@ def test_cancel_refuses_a_stranger_and_changes_nothing(tiny):
     held = _held(e)
     with pytest.raises(ConfigError, match="not in this engine's queues"):
         e.cancel(stranger)
-    assert _held(e) == held and e.running == [mine]
-    e.manager.audit()
+    assert _held(e) == held and e.scheduler.running == [mine]
+    e.memory.manager.audit()
 
 
 def test_cancel_with_a_missing_block_changes_nothing(tiny):
@@ -124,8 +124,8 @@ def test_cancel_with_a_missing_block_changes_nothing(tiny):
     req = e.submit(_prompts(1)[0], SamplingParams(max_new_tokens=10, temperature=1.0,
                                                   n=2, seed=1))
     e.step()
-    e.manager.free(req.live[1].seq_id)    # break it by hand
+    e.memory.manager.free(req.live[1].seq_id)    # break it by hand
     held = _held(e)
     with pytest.raises(ConfigError, match="without the blocks"):
         e.cancel(req)
-    assert _held(e) == held and req in e.running and len(req.live) == 2
+    assert _held(e) == held and req in e.scheduler.running and len(req.live) == 2

@@ -39,7 +39,7 @@ def test_attached_engine_records_its_steps(overlap):
     for n in (5, 9, 20):
         engine.submit(rng.integers(1, 96, n).tolist(), SamplingParams(max_new_tokens=6))
     steps = 0
-    while engine.waiting or engine.running:
+    while engine.scheduler.waiting or engine.scheduler.running:
         engine.step()
         steps += 1
     s = tl.summary()

@@ -127,10 +127,10 @@ def breakdown(model, prompt, batch: int, steps: int) -> dict:
     engine = _engine(model, prompt, batch, steps)
     timer = _Timer()
     timer.wrap(model, "linear", "matmul")
-    timer.wrap(engine.kv, "write", "attention")
-    timer.wrap(engine.kv, "copy", "attention")
+    timer.wrap(engine.runner.kv, "write", "attention")
+    timer.wrap(engine.runner.kv, "copy", "attention")
     timer.wrap(llama_mod, "attend", "attention")
-    timer.wrap(engine.manager, "step", "bookkeeping")
+    timer.wrap(engine.memory.manager, "step", "bookkeeping")
     timer.wrap(sampling_mod, "sample", "sampling")
     try:
         t = _now()

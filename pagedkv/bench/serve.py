@@ -174,7 +174,7 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
         raise ConfigError(f"clock must be 'seconds' or 'steps', got {clock!r}")
     engine = _engine(model, requests, args)
     _warm_up(engine, model.config.vocab_size)
-    engine.counts.preemptions = 0
+    engine.memory.counts.preemptions = 0
     engine.on_step = on_step
     spent = _time_parts(engine)
     timeline = attach(engine)
@@ -192,7 +192,7 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
             arrival, prompt, out = requests[i]
             due[i] = now if clock == "steps" else arrival
             live[i] = engine.submit(prompt, SamplingParams(max_new_tokens=out))
-        if not (engine.waiting or engine.running or engine.swapped):
+        if not (engine.scheduler.waiting or engine.scheduler.running or engine.scheduler.swapped):
             if clock == "steps":
                 steps = int(requests[pending[0]][0])
             else:
@@ -201,7 +201,7 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
         engine.step()
         steps += 1
         t = time.perf_counter() - t0
-        peak = max(peak, engine.manager.allocator.num_used)
+        peak = max(peak, engine.memory.manager.allocator.num_used)
         new = 0
         for i, req in list(live.items()):
             seqs = req.live or req.finished
@@ -218,8 +218,8 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
     out["timeline"] = timeline.summary()
     if args.trace:                         # a few steps from the middle of the run
         out["timeline"]["steps"] = timeline.to_json(steps // 2, args.trace)
-    out.update(steps=steps, peak_blocks=peak, num_blocks=engine.manager.allocator.num_blocks,
-               preemptions=engine.counts.preemptions, runner=type(engine.runner).__name__,
+    out.update(steps=steps, peak_blocks=peak, num_blocks=engine.memory.manager.allocator.num_blocks,
+               preemptions=engine.memory.counts.preemptions, runner=type(engine.runner).__name__,
                token_budget=args.token_budget, max_seqs=args.max_seqs,
                single_pass=engine.runner.single_pass, overlap=engine.ahead is not None)
     return out

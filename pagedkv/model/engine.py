@@ -1,143 +1,99 @@
 """Generation with continuous batching on the paged cache.
 
-Requests wait in a queue; each :meth:`Engine.step` is *schedule, execute, update*, and
-what passes between them is one :class:`~pagedkv.scheduler.Schedule`:
+Requests wait in a queue; each :meth:`Engine.step` is three calls, and what passes between
+them is data:
 
-1. **schedule** (:meth:`Scheduler.prefill <pagedkv.scheduler.Scheduler.prefill>`): swap in
-   requests that were preempted by swapping, when their blocks fit again; admit waiting
-   requests while the pool can hold them; share the step's token budget, if it has one,
-   between the decodes and prefill chunks. The schedule holds the chunks, their plans
-   and the swap copies;
-2. **execute** (:meth:`Engine.execute`): the runner copies the swapped blocks, and forward
-   passes compute the chunks (with the prefix cache, only what it does not hold); a prompt
-   whose prefill is complete chooses its first token(s). Then the scheduler's second phase
-   (:meth:`Scheduler.decode <pagedkv.scheduler.Scheduler.decode>`) gives every live
-   sequence of every prefilled request one more token in the schedule (one
-   ``manager.step()``), preempting the most recently admitted request while the step
-   cannot get its blocks, and one forward pass through the page tables decodes them;
-3. **update** (:meth:`Engine.update`): requests whose sequences all ended (an end token, or
-   their limit) leave the scheduler; the pool is recorded.
+1. ``plan = scheduler.schedule()`` (:class:`~pagedkv.scheduler.Scheduler`, over the pool's
+   :class:`~pagedkv.model.memory.EngineMemory`): who runs and where — swaps, prefill
+   chunks, one decode row for every sequence that decodes, preemptions — and which tokens
+   the step draws. One immutable :class:`~pagedkv.scheduler.Plan`;
+2. ``out = runner.launch(plan)``, later ``runner.land(...)``
+   (:mod:`pagedkv.model.runner`): the only code that touches the device — copies, forward
+   passes and the sampler — gives back the drawn token ids;
+3. ``update(plan, out)``: each token joins its sequence; a sequence that ended (an end
+   token, or its limit) frees its blocks; a request whose sequences all ended leaves.
 
-With a runner that offers the *single pass* (``single_pass=True``), a step that has both
-runs its last prefill pass and its decode in one forward pass (:meth:`Engine.run_mixed`):
-the decode is planned first, so a prompt that pass completes chooses its first token(s)
-and decodes from the next step on.
-
-Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s decision (the simulation's scheduler
-too); :class:`~pagedkv.model.scheduling.EngineMemory` answers its questions: where the
-blocks are. The runner (:mod:`pagedkv.model.runner`) is the only part that touches device
-arrays, the swap copies included.
+On a GPU the device runs ahead of the host (``depth`` 1): a step is planned and launched
+before the step before it lands, so the host's planning hides behind the device's work. A
+row of step n + 1 then takes its input token, drawn by step n, on the device; a sequence
+that step n ends is learned one step late, and its row of step n + 1 is computed and thrown
+away. On NumPy there is nothing to hide behind (``depth`` 0): each step lands at once. The
+code is the same either way; the tests run both on the CPU and check the same tokens.
 
 A request (:mod:`pagedkv.model.requests`) asks for greedy decoding, sampling, ``n``
 parallel samples (the prompt prefilled once, forked ``n`` ways) or beam search (beams fork
 and are freed; copy-on-write copies a forked beam's partly filled last block when it is
-first written); :mod:`pagedkv.model.sampling` chooses the tokens. With ``overlap=True``
-the host plans a step while the GPU runs the one before (:mod:`pagedkv.model.overlap`).
+first written). Beam search ranks each beam's best tokens on the host
+(:mod:`pagedkv.model.sampling`), so a step with beam rows lands before the next is planned.
 """
 from __future__ import annotations
 
-import itertools
+import secrets
 from collections import deque
-from functools import partial
 
 import numpy as np
 
-from ..checks import cdiv, positive_int, token_ids
+from ..beams import follow
+from ..checks import cdiv, token_ids
+from ..config import EngineConfig, SamplingParams
 from ..errors import AuditError, ConfigError
 from ..prefix_cache import PrefixCachingManager
-from .llama import Batch, Llama, PagedKV
-from .overlap import Overlapping
-from ..scheduler import Schedule, Scheduler
-from .requests import Request, SamplingParams
+from ..scheduler import Scheduler
+from .llama import Llama, PagedKV
+from .memory import EngineMemory
+from .requests import Request
 from .runner import make_runner
-from .sampling import Choosing
-from .scheduling import EngineMemory
+from .sampling import beam_select
 
 __all__ = ["Engine"]
 
-NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 
+class Engine:
+    """Requests in, answers out, on one model and one paged cache, built from an
+    :class:`~pagedkv.config.EngineConfig` (or its settings as keywords:
+    ``Engine(model, num_blocks=64, prefix_caching=True)``).
 
-class Engine(Overlapping, Choosing):
-    """Requests in, answers out, on one model and one paged cache.
-
-    Admission takes a request when the blocks it needs to start are free; when a decode step
-    cannot get its blocks, the most recently admitted request is preempted, by ``preemption``
-    ``"recompute"`` or ``"swap"`` (into a host pool of ``host_blocks`` blocks). With
-    ``prefix_caching``, full blocks stay cached by their tokens after their sequence leaves,
-    and a new prompt (or a preempted one coming back) starts from the blocks it finds.
-
-    ``runner`` executes the passes (:mod:`pagedkv.model.runner`): ``"plain"`` the forward pass
-    chapter 10 shows, ``"fast"`` the fused kernels, static buffers and (on a GPU) CUDA graphs
-    of :class:`~pagedkv.model.runner.FastRunner` for decode steps, whose page tables hold
-    ``max_context`` tokens (default: the model's context); ``"fast-eager"`` the same kernels
-    without graphs; ``single_pass`` runs a step's last prefill pass and its decode as one
-    pass, ``overlap`` plans a step while the GPU runs the last (both: fast runners only;
-    ``overlap`` is on by default where the runner is on a GPU).
-    ``bookkeeping``: ``"teaching"`` (the chapters' core) or ``"fast"`` (:mod:`pagedkv.fast`).
-
-    Who runs is the :class:`~pagedkv.scheduler.Scheduler`'s (``self.scheduler``), over
-    the pool's :class:`~pagedkv.model.scheduling.EngineMemory` (``self.memory``). With
-    ``token_budget`` a step computes at most that many tokens, decodes first; with
-    ``chunked_prefill`` (the default) a prompt that does not fit what is left is prefilled a
-    chunk a step. Without a budget every admitted prompt is prefilled in the step that admits
-    it, in passes that pack whole prompts up to about ``prefill_chunk`` tokens.
-
+    ``scheduler`` decides (its queues: ``waiting``, ``running``, ``swapped``), ``memory``
+    places (the pool's ``manager``, the ``swapper``, the ``counts``), ``runner`` runs.
     ``history`` holds what the pool held after each of the last ``history_steps`` steps,
-    read from counters (O(batch) a step, never a pass over the pool); ``on_step`` sees
-    every step.
+    read from counters (O(batch) a step, never a pass over the pool); ``on_step(engine)``
+    is called after every step lands.
     """
 
     history_steps = 10_000
 
-    def __init__(self, model: Llama, *, num_blocks: int, block_size: int = 16,
-                 max_seqs: int = 64, stop_ids=(), prefill_chunk: int = 512,
-                 audit: bool = False, on_step=None, prefix_caching: bool = False,
-                 preemption: str = "recompute", host_blocks: int = 0,
-                 watermark: float = 0.01, runner: str = "plain",
-                 max_context: int | None = None, bookkeeping: str = "teaching",
-                 token_budget: int | None = None, chunked_prefill: bool = True,
-                 single_pass: bool = False, overlap: bool | None = None):
+    def __init__(self, model: Llama, config: EngineConfig | None = None, *, on_step=None,
+                 **settings):
+        self.config = c = EngineConfig.of(config, **settings)
         self.model = model
-        if bookkeeping == "teaching":
-            classes, cache_cls = {}, PrefixCachingManager
-        elif bookkeeping == "fast":
+        if c.bookkeeping == "fast":
             from .. import fast
             from ..fast.prefix import PrefixCachingManager as cache_cls
             classes = dict(allocator_cls=fast.BlockAllocator)
         else:
-            raise ConfigError(f"bookkeeping must be 'teaching' or 'fast', got {bookkeeping!r}")
+            classes, cache_cls = {}, PrefixCachingManager
         # the pool's manager is one that knows token ids, whether or not it caches by them
-        kv = PagedKV.for_model(model, num_blocks, block_size, **classes,
-                               manager_cls=partial(cache_cls, caching=prefix_caching))
-        max_seqs = positive_int(max_seqs, "max_seqs")
-        self.memory = EngineMemory(kv.manager, max_seqs=max_seqs, watermark=watermark,
-                                   preemption=preemption, host_blocks=host_blocks)
-        self.prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
-        self.stop_ids = frozenset(int(t) for t in stop_ids)
-        self.audit = audit
-        self.on_step = on_step           # called as on_step(engine) after every step
-        self.runner = make_runner(runner, model, kv, max_batch=max_seqs,
-                                  max_context=max_context, single_pass=single_pass)
-        self.scheduler = Scheduler(self.memory, max_seqs=max_seqs, token_budget=token_budget,
-                                   chunked_prefill=chunked_prefill)
+        kv = PagedKV.for_model(model, c.num_blocks, c.block_size, **classes,
+                               manager_cls=lambda *a: cache_cls(*a, caching=c.prefix_caching))
+        self.memory = EngineMemory(kv.manager, max_seqs=c.max_seqs, watermark=c.watermark,
+                                   preemption=c.preemption, host_blocks=c.host_blocks,
+                                   stop_ids=c.stop_ids)
+        self.runner = make_runner(c.runner, model, kv, max_seqs=c.max_seqs,
+                                  max_context=c.max_context, prefill_chunk=c.prefill_chunk,
+                                  stop_ids=c.stop_ids)
+        if self.memory.swapper is not None:
+            self.runner.host_pool = self.memory.swapper.host
+        self.scheduler = Scheduler(self.memory, max_seqs=c.max_seqs,
+                                   token_budget=c.token_budget,
+                                   chunked_prefill=c.chunked_prefill)
         self.memory.running = self.scheduler.running
+        ahead = c.overlap if c.overlap is not None else \
+            c.runner != "plain" and self.runner.on_gpu
+        self.depth = int(ahead)          # steps the device may run ahead of the host
+        self.flight: deque = deque()     # launched, not landed: (plan, launched)
         self.finished: list = []
         self.history = deque(maxlen=self.history_steps)  # a dict per step: the pool
-        self.ahead = self._ahead(overlap)            # the overlapped loop's state, or None
-
-    # the scheduler's queues: waiting (first come, first served), running (in admission
-    # order: the last is preempted first), swapped (the oldest preemption first)
-    waiting = property(lambda self: self.scheduler.waiting)
-    running = property(lambda self: self.scheduler.running)
-    swapped = property(lambda self: self.scheduler.swapped)
-    # the pool and its bookkeeping, the memory's; the cache's arrays, the runner's
-    manager = property(lambda self: self.memory.manager)
-    swapper = property(lambda self: self.memory.swapper)
-    counts = property(lambda self: self.memory.counts)
-    block_size = property(lambda self: self.memory.block_size)
-    max_seqs = property(lambda self: self.scheduler.max_seqs)
-    kv = property(lambda self: self.runner.kv)
+        self.on_step = on_step
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt, params: SamplingParams | None = None) -> Request:
@@ -155,29 +111,37 @@ class Engine(Overlapping, Choosing):
         if len(prompt) + params.max_new_tokens > context:
             raise ConfigError(f"{len(prompt)} prompt tokens + {params.max_new_tokens} new ones "
                               f"exceed the {whose} context of {context} tokens")
-        req = Request(next(self.memory.ids), prompt, params,
-                      np.random.default_rng(params.seed))
-        req.hashed = self.manager.prompt(prompt)     # hashed once, used until it is added
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(next(self.memory.ids), prompt, params, seed)
+        req.hashed = self.memory.manager.prompt(prompt)   # hashed once, used until added
         answer, why = self.memory.admission(req)
         if answer == "never":
             raise ConfigError(f"refused: {why}")
-        self.waiting.append(req)
+        self.scheduler.waiting.append(req)
         return req
 
-    _new_seq = property(lambda self: self.memory.new_seq)   # (for Choosing)
+    def has_work(self) -> bool:
+        """Are requests queued or running, or steps still on their way?"""
+        return bool(self.scheduler or self.flight)
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> None:
-        """Schedule, execute, update (the module's text); overlapped, ahead of the GPU."""
-        if self.ahead is not None:
-            return self._step_ahead()
-        schedule = self.scheduler.prefill()
-        self.execute(schedule)
-        self.update(schedule)
+    def step(self) -> list:
+        """Plan a step and launch it, then land every step but the last ``depth`` (all of
+        them when nothing is left to plan, and a step with beam rows at once: the host
+        ranks them before the next plan). Returns the requests the landed steps
+        finished."""
+        plan = self.scheduler.schedule()
+        self.flight.append((plan, self.runner.launch(plan)))
+        keep = 0 if plan.draws.beams or not self.scheduler else self.depth
+        done = []
+        while len(self.flight) > keep:
+            plan, launched = self.flight.popleft()
+            done += self.update(plan, self.runner.land(launched))
+        return done
 
     def run(self) -> list:
         """Step until every request is done; returns them in the order they finished."""
-        while self.waiting or self.running or self.swapped:
+        while self.has_work():
             self.step()
         return self.finished
 
@@ -187,213 +151,136 @@ class Engine(Overlapping, Choosing):
         self.run()
         return reqs
 
-    def execute(self, schedule: Schedule) -> None:
-        """Run the schedule's prefill, then decode one token for every live sequence of
-        every prefilled request (the scheduler's second phase plans it). With the single
-        pass, the last prefill pack waits to run beside the decode rows."""
-        held = self.run_prefill(schedule, hold_last=self.runner.single_pass)
-        if held:
-            self.run_mixed(held, schedule)
-        else:
-            self.scheduler.decode()
-            self.run_decode(schedule)
-
-    # ------------------------------------------------------------------ prefill
-    def run_prefill(self, schedule: Schedule, hold_last: bool = False):
-        """Compute the schedule's prefill parts (placed by the memory as the scheduler
-        asked), whole parts packed into passes of about ``prefill_chunk`` tokens; a new
-        prompt whose K/V are all in the cache chooses its first token(s). The parts leave
-        the schedule as they run. With ``hold_last``, the last pack is returned instead, if
-        the decode can run beside it (:meth:`_decode_fits`); it stays in the schedule's
-        ``parts`` until it runs."""
-        self._swap(schedule)
-        packs = self._packs([p for p in schedule.parts if len(p[1][1])])
-        schedule.parts = []
-        for i, rows in enumerate(packs):
-            if hold_last and i == len(packs) - 1 and self._decode_fits():
-                schedule.parts = rows
-                return rows
-            logits, _ = self.runner.prefill(self._batch([part for _, part in rows]))
-            self._prompts_done(rows, logits)
-        self._check_first_tokens(schedule.chunks)
-        return None
-
-    def _swap(self, schedule: Schedule) -> None:
-        """The schedule's swap copies so far, by the runner, in one call each way (they
-        leave the schedule: a later preemption in the step adds its own)."""
-        if self.swapper is None:
-            return
-        ins, outs = (np.concatenate(p) if p else NO_PAIRS
-                     for p in (schedule.swap_ins, schedule.swap_outs))
-        schedule.swap_ins, schedule.swap_outs = [], []
-        if len(ins) or len(outs):
-            self.runner.swap(self.swapper.host, ins, outs)
-
-    def _packs(self, parts) -> list:
-        """Whole parts, in order, packed into passes of about ``prefill_chunk`` tokens."""
-        packs, size = [], 0
-        for part in parts:
-            n = len(part[1][1])
-            if packs and size + n <= self.prefill_chunk:
-                packs[-1].append(part)
-                size += n
-            else:
-                packs.append([part])
-                size = n
-        return packs
-
-    def _prompts_done(self, rows, logits) -> None:
-        """After a pass over ``rows`` (``logits``: each row's last): a new prompt now all in
-        the cache chooses its first token(s)."""
-        for row, (req, (seq, *_)) in enumerate(rows):
-            if not seq.generated and not req.prefilled and \
-                    self.manager.num_tokens(seq.seq_id) == len(seq.tokens):
-                req.prefilled = True
-                self._first_tokens(req, logits[row:row + 1])
-
-    def _check_first_tokens(self, chunks) -> None:
-        """Every prompt whose prefill the step finished (a prompt found whole in the cache
-        too) has its first token(s)."""
-        for chunk in chunks:
-            req = chunk.req
-            if chunk.last and not req.prefilled and req in self.running:
-                raise AuditError(f"request {req.request_id}'s prefill ended without "
-                                 f"logits to choose its first token")
-
-    def _batch(self, parts) -> Batch:
-        """A :class:`Batch` from (sequence, new tokens, their positions, plan) for each row."""
-        seqs = [p[0] for p in parts]
-        tables = [self.manager.block_table(s.seq_id) for s in seqs]
-        width = max(len(t) for t in tables)
-        block_tables = np.full((len(seqs), width), -1, dtype=np.int32)
-        for row, t in zip(block_tables, tables):
-            row[:len(t)] = t
-        i32 = lambda a: np.asarray(list(a), dtype=np.int32)  # noqa: E731
-        copies = [p[3].copies for p in parts]
-        return Batch(
-            tokens=i32(itertools.chain.from_iterable(p[1] for p in parts)),
-            positions=i32(itertools.chain.from_iterable(p[2] for p in parts)),
-            slots=np.concatenate([p[3].slots for p in parts]).astype(np.int32),
-            query_lens=i32(len(p[1]) for p in parts),
-            seq_lens=i32(self.manager.num_tokens(s.seq_id) for s in seqs),
-            block_tables=block_tables,
-            copies=np.concatenate(copies).astype(np.int32).reshape(-1, 2))
-
-    # ------------------------------------------------------------------ decode
-    def run_decode(self, schedule: Schedule) -> None:
-        """One token for every live sequence of the schedule's ``decodes``: their
-        ``manager.step()`` plan (made by the memory's :meth:`grow
-        <pagedkv.model.scheduling.EngineMemory.grow>`), one forward pass."""
-        self._swap(schedule)
-        reqs = self._decoding(schedule)
-        if reqs:
-            logits, greedy = self.runner.decode(self._decode_batch(schedule))
-            self._decoded(reqs, logits, greedy)
-
-    def run_mixed(self, rows, schedule: Schedule) -> None:
-        """The last prefill pack (``rows``) and the decode in one pass. The decode is
-        planned first (:meth:`_decode_fits` checked that it preempts nobody), so its rows
-        are the requests decoding before this pass: a prompt the pass completes chooses
-        its first token(s) from it, and decodes from the next step on. A request back from
-        a recompute is in both parts: its decode row reads the K/V its chunk writes, and
-        every row's K/V are written before any row attends."""
-        prefill = self._batch([part for _, part in rows])    # before the sequences grow
-        self.scheduler.decode()
-        reqs = self._decoding(schedule)
-        schedule.parts = []
-        self._swap(schedule)
-        batch = self._decode_batch(schedule)
-        if np.isin(batch.copies[:, 0], prefill.slots // self.block_size).any():
-            raise AuditError("a decode copy-on-write copies a block the same pass writes")
-        first, logits, greedy = self.runner.mixed(prefill, batch)
-        self._prompts_done(rows, first)
-        self._check_first_tokens(schedule.chunks)
-        self._decoded(reqs, logits, greedy)
-
-    def _decode_fits(self) -> bool:
-        """Can the decode be planned before the step's last prefill pack runs? Only if it
-        preempts nobody: a request preempted then would give up blocks its pending chunk
-        has yet to write. So every block its sequences may take (one each at most, a new
-        block or a copy) must be free."""
-        seqs = [s for r in self.scheduler.decoding() if r.prefilled for s in r.live]
-        need = sum(self.manager.blocks_needed(s.seq_id) for s in seqs)
-        return bool(seqs) and need <= self.manager.allocator.num_free
-
-    @staticmethod
-    def _decoding(schedule: Schedule) -> list:
-        """The schedule's requests that decode now: live, with their first token chosen."""
-        return [r for r in schedule.decodes if r.live and r.prefilled]
-
-    @staticmethod
-    def _decode_batch(schedule: Schedule) -> Batch:
-        """The decode rows of the schedule's plan (made by the memory's ``grow``)."""
-        plan, seqs = schedule.plan, schedule.seqs
-        return Batch(
-            tokens=np.array([s.tokens[-1] for s in seqs], dtype=np.int32),
-            positions=plan.seq_lens - 1, slots=plan.slot_mapping,
-            query_lens=np.ones(len(seqs), dtype=np.int32), seq_lens=plan.seq_lens,
-            block_tables=plan.block_tables, copies=plan.copies)
-
     # ------------------------------------------------------------------ update
-    def update(self, schedule: Schedule) -> None:
-        """After the passes: finished requests leave the scheduler (into the schedule's
-        ``finished`` and the engine's), the audit runs if asked, the pool is recorded."""
-        for req in [r for r in self.running if r.done]:
+    def update(self, plan, out) -> list:
+        """A landed step: each drawn token joins its sequence (a sequence gone since the
+        plan was made, ended or cancelled, takes none), the slot reserved for it is named,
+        the sequences that ended retire; beam search takes its step; the requests whose
+        sequences all ended leave. Returns them."""
+        d, m = plan.draws, self.memory.manager
+        pending, named, ended = m.pending(), ([], []), []
+        for req, seq, token in zip(d.reqs, d.seqs, out.tokens.tolist()):
+            if not any(s is seq for s in req.live):
+                continue
+            seq.tokens.append(token)
+            if pending.get(seq.seq_id):             # its slot's K/V is this token's
+                pending[seq.seq_id] -= 1
+                named[0].append(seq.seq_id)
+                named[1].append(token)
+            if self._ends(req.params, seq):
+                req.live.remove(seq)
+                ended.append((req, seq))
+        m.commit(*named)
+        for req, seq in ended:
+            self._release(seq)
+            req.finished.append(seq)
+        for (req, _), (top_lp, top_ids) in zip(d.beams, out.beams):
+            if req.live:                            # (not cancelled since)
+                self._beam_step(req, top_lp, top_ids)
+                ended.append((req, None))
+        done = list({id(r): r for r, _ in ended if r.done}.values())
+        for req in done:
             self.scheduler.finish(req)
-            schedule.finished.append(req)
-        self.finished.extend(schedule.finished)
-        if self.audit:
-            self.manager.audit()
-            if self.swapper is not None:
-                self.swapper.audit()
-        self._record(schedule)
+        self.finished.extend(done)
+        if self.config.audit:
+            m.audit()
+            if self.memory.swapper is not None:
+                self.memory.swapper.audit()
+        self._record(plan)
         if self.on_step is not None:
             self.on_step(self)
+        return done
 
-    def _record(self, schedule: Schedule) -> None:
+    def _ends(self, p: SamplingParams, seq) -> bool:
+        """Does the token just chosen end the sequence: its limit, or an end token?"""
+        return seq.num_generated >= p.max_new_tokens or \
+            (seq.tokens[-1] in self.config.stop_ids and not p.ignore_eos)
+
+    def _release(self, seq) -> None:
+        """Free a sequence's blocks, wherever they are: the pool, the host pool (swapped
+        out) or nowhere (preempted by recompute)."""
+        swapper = self.memory.swapper
+        if seq.seq_id in self.memory.manager:
+            self.memory.manager.free(seq.seq_id)
+        elif swapper is not None and seq.seq_id in swapper.swapped:
+            swapper.host.free_n(swapper.swapped.pop(seq.seq_id).host_blocks)
+
+    def _beam_step(self, req: Request, top_lp, top_ids) -> None:
+        """Beam search: rank every (beam, next token) from the beams' best tokens; fork the
+        beams chosen more than once, free the ones not chosen, keep the finished
+        hypotheses. A request's first beam step starts from its prompt's one sequence."""
+        k, m, new_seq = req.params.beam_width, self.memory.manager, self.memory.new_seq
+        beams = req.live
+        continuing, ended = beam_select([b.score for b in beams], top_lp, top_ids, k,
+                                        self.config.stop_ids)
+        for b, t, score in ended:                      # finished: no cache needed
+            req.finished.append(new_seq(beams[b].tokens + [t], beams[b].prompt_len, score,
+                                        parent=beams[b].seq_id))
+
+        def fork(parent, j):                           # a second child: share the blocks
+            _, t, score = continuing[j]
+            child = new_seq(parent.tokens + [t], parent.prompt_len, score,
+                            parent=parent.seq_id)
+            m.fork(parent.seq_id, child.seq_id)
+            return child
+
+        req.live = follow(beams, [b for b, _, _ in continuing], fork,
+                          lambda beam: m.free(beam.seq_id))
+        for beam, (b, t, score) in zip(req.live, continuing):
+            if beam is beams[b]:                       # the first child continues the beam
+                beam.tokens.append(t)
+                beam.score = score
+            beam.planned = beam.num_generated
+        req.prefilled = True
+        full = bool(req.live) and len(req.live[0].generated) >= req.params.max_new_tokens
+        if len(req.finished) >= k or full or not req.live:
+            for seq in list(req.live):
+                self._release(seq)
+                req.live.remove(seq)
+                req.finished.append(seq)
+
+    def _record(self, plan) -> None:
         """What the pool holds, from the allocator's counters and one pass over the live
         sequences (a sequence of n tokens maps ceil(n / block_size) blocks, so the blocks
         sharing saves are the mapped ones less the used ones)."""
-        m, alloc = self.manager, self.manager.allocator
-        lengths = [m.num_tokens(s) for s in m.seq_ids]
-        mapped = sum(cdiv(n, self.block_size) for n in lengths)
+        m, alloc, s = self.memory.manager, self.memory.manager.allocator, self.scheduler
+        lengths = [m.num_tokens(i) for i in m.seq_ids]
+        mapped = sum(cdiv(n, self.config.block_size) for n in lengths)
         self.history.append(dict(
             used_blocks=alloc.num_used, shared_blocks=alloc.num_shared,
             blocks_saved=mapped - alloc.num_used, sequences=len(lengths),
-            tokens=sum(lengths), copies=self.kv.copies_done, running=len(self.running),
-            waiting=len(self.waiting), swapped=len(self.swapped),
-            preemptions=self.counts.preemptions, decoded=len(schedule.seqs)))
+            tokens=sum(lengths), copies=self.runner.kv.copies_done,
+            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            preemptions=self.memory.counts.preemptions,
+            decoded=len(plan.rows.seqs) if plan.rows is not None else 0))
 
     # ------------------------------------------------------------------ cancelling
     def cancel(self, req: Request) -> bool:
         """Take ``req`` out of whichever queue holds it (waiting, running or swapped)
         and free its sequences' blocks (a swapped-out request's host blocks too). Its
-        live sequences move to ``req.finished`` with the tokens they have; it does not
-        join ``finished``. Returns False, changing nothing, if it had already finished;
-        raises :class:`ConfigError` for a request this engine does not hold. All or
-        nothing: every block is checked to be held before any is freed."""
-        if any(r is req for r in self.finished):
+        live sequences move to ``req.finished`` with the tokens they have (a token still
+        on its way is dropped); it does not join ``finished``. Returns False, changing
+        nothing, if it had already finished; raises :class:`ConfigError` for a request this
+        engine does not hold. All or nothing: every block is checked to be held before any
+        is freed."""
+        if any(r is req for r in self.finished) or req.done:
             return False
-        queue = next((q for q in (self.waiting, self.running, self.swapped)
+        s = self.scheduler
+        queue = next((q for q in (s.waiting, s.running, s.swapped)
                       if any(r is req for r in q)), None)
         if queue is None:
             raise ConfigError(f"request {req.request_id} is not in this engine's queues")
-        ids = [s.seq_id for s in req.live]
-        if queue is self.swapped:
-            parked = [self.swapper.swapped[i].host_blocks for i in ids]
-        else:
-            held = [i for i in ids if i in self.manager]
-            if queue is self.running and len(held) != len(ids):
-                raise ConfigError(f"request {req.request_id} is running without the "
-                                  f"blocks of all its sequences")
-        self.scheduler.drop(req)
-        if queue is self.swapped:
-            for i, blocks in zip(ids, parked):
-                del self.swapper.swapped[i]
-                self.swapper.host.free_n(blocks)
-        else:
-            for i in held:
-                self.manager.free(i)
+        m, swapper = self.memory.manager, self.memory.swapper
+        if queue is s.running and not all(q.seq_id in m for q in req.live):
+            raise ConfigError(f"request {req.request_id} is running without the "
+                              f"blocks of all its sequences")
+        if queue is s.swapped and not all(q.seq_id in swapper.swapped for q in req.live):
+            raise AuditError(f"request {req.request_id} is swapped out without all its "
+                             f"sequences")
+        s.drop(req)
+        for seq in req.live:
+            self._release(seq)
         req.finished.extend(req.live)
         req.live = []
         return True
+

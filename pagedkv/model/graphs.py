@@ -1,12 +1,35 @@
-"""The fast runner's device plumbing: graph buckets, node counts, pinned staging and the
-gather that feeds a step the tokens of the step before (:mod:`pagedkv.model.runner`)."""
+"""The fast runner's device plumbing: its buffers as one bucket sees them, graph buckets,
+node counts, pinned staging and the gather that gives a row an input token the device
+already holds (:mod:`pagedkv.model.runner`)."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["buckets", "graph_node_count", "gather_kernel", "host_int32"]
+__all__ = ["Views", "buckets", "graph_node_count", "gather_kernel", "host_int32"]
+
+
+class Views(NamedTuple):
+    """Every buffer of one pass: the first ``b`` rows of the full-size arrays."""
+    tokens: object
+    positions: object
+    slots: object
+    seq_lens: object
+    tables: object
+    x: object          # the residual stream [b, hidden]
+    h: object          # a normed copy of it
+    qkv: object        # [b, (heads + 2 kv_heads) * head_dim]
+    q: object          # [b, heads, head_dim], rotated
+    attn: object       # [b, heads, head_dim]
+    gate_up: object    # [b, 2 ffn]
+    act: object        # [b, ffn]
+    logits: object     # float32 [b, vocab]
+    greedy: object     # int32 [b]
+    plan: object       # the attention's launch for this bucket (GPU), or None
+    scratch: object    # its split results (GPU), or None
+    query_start: object = None   # a prefill's: where each sequence's rows begin
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -48,10 +71,11 @@ def graph_node_count(graph) -> int | None:
 
 @functools.lru_cache(maxsize=None)
 def gather_kernel():
-    """``tokens[i] = greedy[src[i]]`` on the device (one small launch)."""
+    """``tokens[i] = drawn[src[i]]`` where ``src[i] >= 0``, on the device (one small
+    launch; the other rows keep the token the host gave)."""
     import cupy
-    return cupy.ElementwiseKernel("raw int32 greedy, int32 src", "int32 token",
-                                  "token = greedy[src]", "pagedkv_follow")
+    return cupy.ElementwiseKernel("raw int32 drawn, int32 src", "int32 token",
+                                  "if (src >= 0) token = drawn[src]", "pagedkv_follow")
 
 
 def host_int32(n: int, pinned: bool) -> np.ndarray:

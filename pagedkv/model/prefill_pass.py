@@ -1,5 +1,4 @@
-"""The fast runner's prefills, and a step's prefill chunks and decode rows in one pass
-(``single_pass``): the prefill side of :class:`~pagedkv.model.runner.FastRunner`.
+"""The fast runner's prefills: the prefill side of :class:`~pagedkv.model.runner.FastRunner`.
 
 A prefill runs by the cheaper of two ways: one eager pass over every new token with the
 paged prefill kernel for the attention (:meth:`PrefillPasses._eager_pass`), or, when it is
@@ -15,6 +14,7 @@ from ..errors import ConfigError
 from ..kernels.fused import argmax_rows, rms_norm
 from ..kernels.gemm import gemm
 from ..kernels.prefill import paged_prefill_attention
+from .graphs import Views
 from .llama import Batch, prefill_attention
 
 __all__ = ["PrefillPasses", "GRAPH_PREFILL_TOKENS"]
@@ -28,8 +28,8 @@ GRAPH_PREFILL_TOKENS = 65_536
 
 
 class PrefillPasses:
-    """:class:`~pagedkv.model.runner.FastRunner`'s ``prefill`` and ``mixed`` (a mixin: it
-    uses the runner's ``decode``, ``_layers``, ``graphs``, ``max_batch``, ``width``)."""
+    """:class:`~pagedkv.model.runner.FastRunner`'s ``prefill`` (a mixin: it uses the
+    runner's ``_decode_pass``, ``_layers``, ``graphs``, ``max_batch``, ``width``)."""
 
     def prefill(self, batch: Batch):
         """A prefill, by the cheaper of two ways. Usually one eager pass with the paged
@@ -39,46 +39,26 @@ class PrefillPasses:
         (:func:`_as_rows`): each row reads its prefix again, which is cheap while the
         prefixes are short. Both return the logits of each sequence's last new token,
         and no greedy tokens."""
-        if self._short(batch):
-            logits, _ = self.decode(_as_rows(batch))
+        if self._short(batch):                   # (the last rows copied out: the
+            logits, _ = self._decode_pass(_as_rows(batch), None)   # buffer is reused)
             return logits[self.model.xp.asarray(_last_rows(batch))], None
         return self._eager_pass(batch), None
 
-    def mixed(self, prefill: Batch, decode: Batch):
-        """A step's prefill chunks and decode rows in one pass: one flattened batch, the
-        decode rows last, each a chunk of one token (the prefill kernel on a chunk of one
-        computes what the decode kernel does). Returns the chunks' last-row logits, the
-        decode rows' logits and their greedy tokens (host ints, one download). A short
-        prefill (see :meth:`prefill`) goes as rows beside the decode rows, one graph replay;
-        if they do not fit one bucket together, two replays beat one eager pass's launches.
-        Otherwise one eager pass. Copy-on-write copies of both go first."""
-        if not decode.is_decode:
-            raise ConfigError("FastRunner.mixed takes one new token per decode row")
-        k, xp = len(prefill.query_lens), self.model.xp
-        if self._short(prefill, beside=len(decode.tokens)):
-            logits, greedy = self.decode(_join(_as_rows(prefill), decode))
-            t = len(prefill.tokens)
-            return logits[xp.asarray(_last_rows(prefill))], logits[t:], greedy[t:]
-        if self._short(prefill):
-            return (self.prefill(prefill)[0], *self.decode(decode))
-        logits = self._eager_pass(_join(prefill, decode))
-        greedy = argmax_rows(logits[k:])                     # on the device
-        return logits[:k], logits[k:], greedy.tolist()
-
-    def _short(self, batch: Batch, beside: int = 0) -> bool:
-        """Is ``batch`` a prefill for the decode graph: its rows (and ``beside`` more) fit
-        one bucket, and read at most GRAPH_PREFILL_TOKENS of K/V in all?"""
+    def _short(self, batch: Batch) -> bool:
+        """Is ``batch`` a prefill for the decode graph: its rows fit one bucket, and read
+        at most GRAPH_PREFILL_TOKENS of K/V in all?"""
         reads = int((batch.positions.astype(np.int64) + 1).sum())   # K/V tokens the rows read
-        return self.graphs and len(batch.tokens) + beside <= self.max_batch and \
+        return self.graphs and len(batch.tokens) <= self.max_batch and \
             reads <= GRAPH_PREFILL_TOKENS
 
     def _eager_pass(self, batch: Batch):
         """One eager pass: every new token of every sequence a row, through the same fused
         kernels as a decode step, and attention by the paged prefill kernel
         (:func:`~pagedkv.kernels.prefill.paged_prefill_attention`: causal, a chunk starting
-        wherever its sequence's cache ends). It runs on the default stream (its row count
-        changes from step to step), into buffers kept for the largest pass so far, after
-        the batch's copy-on-write copies. Returns the logits of each sequence's last row."""
+        wherever its sequence's cache ends). It runs eagerly (its row count changes from
+        step to step), on the current stream (the runner's, in a step), into buffers kept
+        for the largest pass so far, after the batch's copy-on-write copies. Returns the
+        logits of each sequence's last row."""
         xp, c = self.model.xp, self.model.config
         n, b = len(batch.tokens), len(batch.query_lens)
         if batch.block_tables.shape[1] > self.width:
@@ -87,12 +67,11 @@ class PrefillPasses:
         starts = np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int32)
         meta = xp.asarray(np.concatenate([batch.tokens, batch.positions, batch.slots,
                                           batch.seq_lens, starts]).astype(np.int32))
-        from .runner import _Views               # (runner.py imports this module)
         full = self._prefill_buffers(n)
-        v = _Views(meta[:n], meta[n:2 * n], meta[2 * n:3 * n], meta[3 * n:3 * n + b],
-                   xp.asarray(np.ascontiguousarray(batch.block_tables, dtype=np.int32)),
-                   plan=None, scratch=None, logits=None, greedy=None,
-                   query_start=meta[3 * n + b:], **{k: a[:n] for k, a in full.items()})
+        v = Views(meta[:n], meta[n:2 * n], meta[2 * n:3 * n], meta[3 * n:3 * n + b],
+                  xp.asarray(np.ascontiguousarray(batch.block_tables, dtype=np.int32)),
+                  plan=None, scratch=None, logits=None, greedy=None,
+                  query_start=meta[3 * n + b:], **{k: a[:n] for k, a in full.items()})
         self.kv.copy(batch.copies)
         self._prefill_lengths = (batch.seq_lens, batch.query_lens)
         self._layers(v, self._attend_prefill)
@@ -101,7 +80,7 @@ class PrefillPasses:
         gemm(h, self.model.embedding, logits, transpose_b=True, method=self.gemm_method)
         return logits
 
-    def _attend_prefill(self, v: _Views, i: int) -> None:
+    def _attend_prefill(self, v: Views, i: int) -> None:
         if self.on_gpu and self.model.dtype == np.float32:   # (the kernel is 16-bit: the
             seq_lens, query_lens = self._prefill_lengths       # plain path's attention)
             v.attn[...] = prefill_attention(v.q, self.kv.layers[i], v.tables, seq_lens,
@@ -140,15 +119,3 @@ def _as_rows(batch: Batch) -> Batch:
 def _last_rows(batch: Batch) -> np.ndarray:
     """The row of each sequence's last new token."""
     return np.cumsum(batch.query_lens) - 1
-
-
-def _join(first: Batch, then: Batch) -> Batch:
-    """Two batches as one: ``first``'s sequences, then ``then``'s (page tables -1 padded to
-    the wider; copy-on-write copies in that order)."""
-    k, w = len(first.query_lens), max(first.block_tables.shape[1], then.block_tables.shape[1])
-    tables = np.full((k + len(then.query_lens), w), -1, np.int32)
-    tables[:k, :first.block_tables.shape[1]] = first.block_tables
-    tables[k:, :then.block_tables.shape[1]] = then.block_tables
-    cat = lambda a, b: np.concatenate([a, b]).astype(np.int32)  # noqa: E731
-    return Batch(*(cat(a, b) for a, b in zip(first[:5], then[:5])), tables,
-                 cat(first.copies, then.copies).reshape(-1, 2))

@@ -87,25 +87,60 @@ def _log_probs(row) -> np.ndarray:
     return z - np.log(np.exp(z).sum())
 
 
-def _choose(row, temperature: float, top_p: float, u) -> int:
-    """One token from one row: the most likely at temperature 0; else, tokens ranked
-    most likely first and kept while the probability before them is below ``top_p``,
-    the one in whose share of the kept total ``u`` falls."""
-    if temperature == 0:
+_MASK = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser, on a Python int (mod 2**64)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _uniform(seed: int, counter: int) -> float:
+    """The ``counter``-th number of the stream ``seed`` starts: 24 bits in [0, 1)."""
+    return (_mix((_mix(seed) + counter * _GOLDEN) & _MASK) >> 40) / 2.0**24
+
+
+def _sample_seed(base: int, i: int) -> int:
+    """Sample ``i`` of a request seeded ``base`` draws from a stream of its own."""
+    return _mix((base + (i + 1) * _GOLDEN) & _MASK)
+
+
+def _choose(row, p, counter: int, seed: int, banned=()) -> int:
+    """One token from one row of float32 logits (``p``: the request's settings): the most
+    likely at temperature 0. Else ``p_i = exp(z_i - max z)``, ``z = row / T`` in float32;
+    the kept tokens are the ``top_k`` most likely (all those tied with the k-th too), then of
+    those the most likely whose probabilities reach ``top_p`` of their total (ties kept
+    whole); ``u`` from the sequence's stream picks, walking the kept tokens in token
+    order, the first whose running total passes ``u`` times the kept total. ``banned``
+    tokens are never chosen."""
+    row = row.astype(np.float32).copy()
+    row[list(banned)] = -np.inf
+    if p.temperature == 0:
         return int(np.argmax(row))
-    p = np.exp((row - row.max()).astype(np.float64) / temperature)
-    kept, before = [], 0.0
-    for t in np.argsort(-p, kind="stable").tolist():
-        if before >= top_p * p.sum():
+    z = row / np.float32(p.temperature)
+    w = np.exp((z - z.max()).astype(np.float64)).astype(np.float32)
+    w[w < np.finfo(np.float32).tiny] = 0
+    values = sorted(set(w[w > 0].tolist()), reverse=True)
+    k = p.top_k if 0 < p.top_k < len(values) + 1 else 0
+    floor = values[-1]
+    if k:                                     # the k-th largest, counting ties
+        floor = next(v for v in values if int((w >= v).sum()) >= k)
+    whole = float(w[w >= floor].astype(np.float64).sum())
+    for v in values:                          # the largest cut with top_p of the mass
+        if v >= floor and float(w[w >= v].astype(np.float64).sum()) >= p.top_p * whole:
+            floor = v
             break
-        kept.append(t)
-        before += p[t]
-    running = 0.0
-    for t in kept:
-        running += p[t]
-        if running > u * before:
+    kept = w >= floor
+    total = float(np.where(kept, w, 0).astype(np.float64).sum())
+    u, running = _uniform(seed, counter), 0.0
+    for t in np.flatnonzero(kept).tolist():
+        running += float(w[t])
+        if running > u * total:
             return t
-    return kept[-1]
+    return int(np.flatnonzero(kept)[-1])
 
 
 def _rank_candidates(live, logits, width: int, stop_ids):
@@ -143,10 +178,11 @@ def reference_generate(model: Llama, prompt, params, stop_ids=()) -> list:
     """The same requests as :class:`~pagedkv.model.engine.Engine`, one at a time, each
     sequence with its own contiguous cache (a fork copies the whole cache). Greedy, sampled,
     ``n`` samples or beam search, choosing tokens with its own few lines above (nothing
-    from the engine, so that a bug in the engine's choosing shows) and the same order of
-    random draws. Returns the finished sequences in the engine's output order."""
+    from the engine or its sampler, so that a bug in the engine's choosing shows) and the
+    same random streams: sample ``i`` of a request seeded ``params.seed`` draws its
+    ``j``-th token from stream ``(_sample_seed(seed, i), j)``. Returns the finished
+    sequences in the engine's output order."""
     stop_ids = frozenset(int(t) for t in stop_ids)
-    rng = np.random.default_rng(params.seed)
     c = model.config
     first = RefSeq(list(prompt), len(prompt),
                    cache=ContiguousCache(c.layers, c.kv_heads, c.head_dim, model.dtype))
@@ -156,6 +192,7 @@ def reference_generate(model: Llama, prompt, params, stop_ids=()) -> list:
         live += [RefSeq(list(prompt), len(prompt), cache=first.cache.copy())
                  for _ in range(params.n - 1)]
         logits = logits[[0] * params.n]
+    seeds = {id(seq): _sample_seed(params.seed or 0, i) for i, seq in enumerate(live)}
     while True:
         if params.beam_width > 1:
             k = params.beam_width
@@ -167,11 +204,13 @@ def reference_generate(model: Llama, prompt, params, stop_ids=()) -> list:
             if len(finished) >= k or not live or len(live[0].generated) >= params.max_new_tokens:
                 return _best(finished + live, k)
         else:
-            u = rng.random(len(live)) if params.temperature > 0 else [None] * len(live)
-            for seq, row, x in zip(live, logits, u):
-                seq.tokens.append(_choose(row, params.temperature, params.top_p, x))
+            for seq, row in zip(live, logits):
+                j = len(seq.generated)
+                banned = stop_ids if j < params.min_tokens else ()
+                seq.tokens.append(_choose(row, params, j, seeds[id(seq)], banned))
             for seq in list(live):
-                if seq.tokens[-1] in stop_ids or len(seq.generated) >= params.max_new_tokens:
+                end = seq.tokens[-1] in stop_ids and not params.ignore_eos
+                if end or len(seq.generated) >= params.max_new_tokens:
                     live.remove(seq)
                     finished.append(seq)
             if not live:

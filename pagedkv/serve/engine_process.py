@@ -235,7 +235,7 @@ def _child(conn, make_engine, options, max_waiting, pool_interval, log_level) ->
         conn.send(("failed to start", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
     core = EngineCore(engine, max_waiting=max_waiting, pool_interval=pool_interval)
-    conn.send(("ready", dict(info, stop_ids=sorted(engine.stop_ids), stats=core.stats())))
+    conn.send(("ready", dict(info, stop_ids=sorted(engine.config.stop_ids), stats=core.stats())))
     try:
         if not _serve(conn, core):
             raise SystemExit(1)

@@ -108,7 +108,7 @@ def pool_counts(manager) -> dict:
 def pool_report(engine, audit: bool) -> dict:
     """What ``GET /pool`` shows: the map, the counts, the queues, and the manager's audit
     if ``audit`` (O(blocks) either way: ask rarely)."""
-    m = engine.manager
+    m = engine.memory.manager
     answer = "not run (start the server with --audit)"
     if audit:
         try:
@@ -117,8 +117,8 @@ def pool_report(engine, audit: bool) -> dict:
         except Exception as exc:  # noqa: BLE001 (reported, not raised)
             answer = f"{type(exc).__name__}: {exc}"
     return dict(blocks=pool_map(m, {}), audit=answer, **pool_counts(m),
-                block_size=engine.block_size, running=len(engine.running),
-                waiting=len(engine.waiting), sequences=len(m.seq_ids))
+                block_size=engine.config.block_size, running=len(engine.scheduler.running),
+                waiting=len(engine.scheduler.waiting), sequences=len(m.seq_ids))
 
 
 # ---------------------------------------------------------------------- the engine's half
@@ -145,12 +145,11 @@ class EngineCore:
         self._pool_sent = 0.0
 
     def busy(self) -> bool:
-        e = self.engine
-        return bool(e.waiting or e.running or e.swapped)
+        return self.engine.has_work()
 
     def submit(self, key, prompt, params, want_pool: bool = False) -> dict:
         """The engine's answer to a request: an ``accepted`` or ``rejected`` event."""
-        waiting = len(self.engine.waiting)
+        waiting = len(self.engine.scheduler.waiting)
         if waiting >= self.max_waiting:
             self.totals["rejected"] += 1
             return dict(type="rejected", status=429, param=None,
@@ -171,7 +170,7 @@ class EngineCore:
         self.totals["prompt_tokens"] += len(prompt)
         answer = dict(type="accepted", request_id=req.request_id)
         if want_pool:                           # the pool as it is before the request runs
-            answer["pool"] = pool_map(self.engine.manager, self._owners(), key)
+            answer["pool"] = pool_map(self.engine.memory.manager, self._owners(), key)
         return answer
 
     def cancel(self, key) -> None:
@@ -208,7 +207,7 @@ class EngineCore:
         reports = []
         for key, r in list(self.requests.items()):
             updates = self._news(r)
-            pool = pool_map(self.engine.manager, owners, key) if pools and r.want_pool \
+            pool = pool_map(self.engine.memory.manager, owners, key) if pools and r.want_pool \
                 else None
             done = r.req.done
             if done:
@@ -242,11 +241,11 @@ class EngineCore:
         try:
             if self.busy():
                 return "requests are left in the engine's queues"
-            e.manager.audit()
-            if e.swapper is not None:
-                e.swapper.audit()
-            if e.manager.allocator.num_used:
-                return f"{e.manager.allocator.num_used} blocks are still held"
+            e.memory.manager.audit()
+            if e.memory.swapper is not None:
+                e.memory.swapper.audit()
+            if e.memory.manager.allocator.num_used:
+                return f"{e.memory.manager.allocator.num_used} blocks are still held"
         except Exception as exc:  # noqa: BLE001 (reported as the reason)
             return f"the pool's audit failed: {type(exc).__name__}: {exc}"
         if self._failed_in_a_row >= 2:
@@ -260,7 +259,7 @@ class EngineCore:
                 del finished[i]
 
     def _owners(self) -> dict:
-        m, owners = self.engine.manager, {}
+        m, owners = self.engine.memory.manager, {}
         for key, r in self.requests.items():
             for seq in r.req.live:
                 if seq.seq_id in m:
@@ -271,10 +270,10 @@ class EngineCore:
     def stats(self) -> dict:
         """The engine's numbers ``/metrics`` shows, from counters: O(1)."""
         e = self.engine
-        return dict(pool=pool_counts(e.manager), running=len(e.running),
-                    waiting=len(e.waiting), swapped=len(e.swapped),
-                    prompt_tokens_prefilled=e.counts.prompt_tokens,
-                    prompt_tokens_cached=e.counts.cached_tokens, **self.totals)
+        return dict(pool=pool_counts(e.memory.manager), running=len(e.scheduler.running),
+                    waiting=len(e.scheduler.waiting), swapped=len(e.scheduler.swapped),
+                    prompt_tokens_prefilled=e.memory.counts.prompt_tokens,
+                    prompt_tokens_cached=e.memory.counts.cached_tokens, **self.totals)
 
 
 # ---------------------------------------------------------------------- the text half
@@ -373,7 +372,7 @@ class EngineLoop(Mortal):
                  pool_interval: float = 0.25, on_dead=None):
         self.engine = engine
         self.core = EngineCore(engine, max_waiting=max_waiting, pool_interval=pool_interval)
-        self.texts = Texts(tokenizer, engine.stop_ids)
+        self.texts = Texts(tokenizer, engine.config.stop_ids)
         self.on_dead = on_dead               # called once, on the loop's thread
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict = {}                 # key -> Job (this thread only)

@@ -2,14 +2,13 @@
 default) or the server's. A module of its own so that a child process can import it."""
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
 
 from ..checks import cdiv
 
-__all__ = ["engine_options", "make_engine", "served_engine", "GPU_TOKENS_PER_SEQ"]
+__all__ = ["engine_options", "make_engine", "GPU_TOKENS_PER_SEQ"]
 
 log = logging.getLogger("pagedkv.serve")
 
@@ -51,7 +50,7 @@ def make_engine(options: dict):
             free = backend.xp.cuda.Device().mem_info[0]
             want = max_seqs * cdiv(GPU_TOKENS_PER_SEQ, o["block_size"])
             blocks = max(256, min(want, free // 2 // block_bytes))
-    engine = served_engine(Engine)(served.model, num_blocks=blocks, max_seqs=max_seqs, runner=runner,
+    engine = Engine(served.model, num_blocks=blocks, max_seqs=max_seqs, runner=runner,
                     stop_ids=[served.tokenizer.eos_id],
                     prefill_chunk=o["token_budget"] or 2048,   # one pass a step's prefill
                     bookkeeping="fast" if runner == "fast" else "teaching", **o)
@@ -64,18 +63,6 @@ def make_engine(options: dict):
                  info["graphs"], max_seqs, info["capture_s"])
     _inject_failures(engine)
     return engine, info
-
-
-@functools.lru_cache(maxsize=None)
-def served_engine(engine_cls):
-    """The engine class the server runs: on a GPU, every sampled row of a step is drawn in
-    one call of the batch sampler (:func:`pagedkv.kernels.sampling.sample_rows`, each
-    sequence its own counter-based stream) instead of one host call per request; the
-    chapters' engine keeps the per-request sampler, so that their printed samples are the
-    same on a CPU and a GPU. (Decode steps overlap on a GPU either way: the engine's
-    default.)"""
-    return type("ServedEngine", (engine_cls,), {"batch_sampling": None,
-                                                "__doc__": served_engine.__doc__})
 
 
 def _inject_failures(engine) -> None:

@@ -124,31 +124,31 @@ class PolicyMemory(Memory):
         return self.policy.owed(req, int(self.batch.lens[self.batch.index(req)]),
                                 self.target[req.rid])
 
-    def admit(self, req, n: int, promised: int) -> bool:
+    def admit(self, req, n: int, promised: int):
         length = self.starts[req.rid]
         prefill = self.policy.prefill(req, length)
         first = length - prefill + n          # tokens placed now (a swap places them all)
         if not self.policy.admit(req, length, first=first, promised=promised):
-            return False
+            return None
         del self.starts[req.rid]
         self.batch.add(req, first)
         if first < length:
             self.target[req.rid] = length
         self.watch.admitted(self.step, req, prefill)
-        return True
+        return ()                     # placed: nothing a runner needs
 
-    def prefill(self, req, n: int) -> bool:
+    def prefill(self, req, n: int):
         if not self.policy.extend(req.rid, n):
-            return False
+            return None
         i = self.batch.index(req)
         self.batch.lens[i] += n
         if self.batch.lens[i] == self.target[req.rid]:
             del self.target[req.rid]
-        return True
+        return ()
 
-    def grow(self, reqs) -> bool:
+    def grow(self, reqs):
         if not self.policy.step([r.rid for r in reqs]):
-            return False
+            return None
         if len(reqs) == len(self.batch):
             self.batch.lens += 1
         else:
@@ -156,13 +156,13 @@ class PolicyMemory(Memory):
                 self.batch.lens[self.batch.index(r)] += 1
         return True
 
-    def preempt(self, req) -> bool:
+    def preempt(self, req, placed: bool) -> tuple:
         length = self.batch.remove(req)
         self.target.pop(req.rid, None)
         self.policy.preempt(req.rid)
         self.starts[req.rid] = length
         self.watch.preempted(self.step, req.rid, length)
-        return False                  # it waits to be admitted again (a swap included)
+        return False, None            # it waits to be admitted again (a swap included)
 
 
 def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BUDGET,
@@ -196,11 +196,10 @@ def serve(workload, policy, *, max_seqs: int = 256, token_budget: int = TOKEN_BU
         for req in queue.arrive(step):
             memory.starts[req.rid] = req.prompt
         memory.step = step
-        sched.prefill()
-        if not sched.running:               # nothing runs: jump to the next arrival
+        sched.schedule()
+        if not sched.running:               # nothing ran: jump to the next arrival
             step = queue.next_arrival(step)
             continue
-        sched.decode()
         step += 1
         refused = None if sched.refused is None else (
             sched.refused, memory.starts[sched.refused.rid])
