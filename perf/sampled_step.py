@@ -3,14 +3,12 @@
     python perf/sampled_step.py [--batch 64] [--steps 100] [--json OUT.json]
 
 SmolLM2-135M's shapes with random float16 weights (no model file), ``batch`` requests of a
-128-token prompt decoding together (the server's engine, :func:`pagedkv.serve.start.
-served_engine`: on a GPU the batch sampler draws every sampled row in one call). Each
-variant: greedy (temperature 0) and sampled (temperature 0.7, top-p 0.9), with the
-overlapped loop on and off; after every request is prefilled, ``steps`` engine steps are
-timed by wall clock (device synchronised at both ends), twice, interleaved, the best kept.
-Prints ms a step and the sampled-over-greedy ratios. Sampled steps do not go ahead (the
-overlapped loop runs them as plain steps), so the ratio with overlap on also shows what
-greedy gains from it.
+128-token prompt decoding together (the runner draws every sampled row of a step in one
+call of the batch sampler). Each variant: greedy (temperature 0) and sampled (temperature
+0.7, top-p 0.9), with the device running a step ahead of the host and not; after every
+request is prefilled, ``steps`` engine steps are timed by wall clock (device synchronised
+at both ends), twice, interleaved, the best kept. Prints ms a step and the
+sampled-over-greedy ratios.
 """
 from __future__ import annotations
 
@@ -23,21 +21,20 @@ import numpy as np
 from pagedkv import backend
 from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.engine import Engine
-from pagedkv.model.requests import SamplingParams
-from pagedkv.serve.start import served_engine
+from pagedkv.config import SamplingParams
 
 SMOL = LlamaConfig(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3,
                    head_dim=64, ffn=1536, rope_base=100000.0, context=2048)
 
 
 def step_ms(model, batch: int, steps: int, params: SamplingParams, overlap: bool) -> float:
-    engine = served_engine(Engine)(model, num_blocks=batch * 24, max_seqs=batch,
-                                   runner="fast", bookkeeping="fast", overlap=overlap)
+    engine = Engine(model, num_blocks=batch * 24, max_seqs=batch, runner="fast",
+                    bookkeeping="fast", overlap=overlap)
     engine.runner.capture_all()
     rng = np.random.default_rng(0)
     for _ in range(batch):
         engine.submit(rng.integers(1, SMOL.vocab_size, 128).tolist(), params)
-    while engine.waiting or engine.scheduler.prefilling:
+    while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
     for _ in range(3):
         engine.step()

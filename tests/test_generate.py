@@ -244,30 +244,23 @@ def test_ignore_eos_and_min_tokens(tiny, kind, runner):
     assert engine.memory.manager.allocator.num_free == 300
 
 
-# ------------------------------------------------------- sampling the batch in one call
-
-class BatchEngine(Engine):
-    """The engine with the GPU's sampling path (every sampled row of a step in one call of
-    the batch sampler), run here on NumPy."""
-    batch_sampling = True
-
+# ------------------------------------------------------- the batch sampler, in the runner
 
 def _generated(engine, prompts, params):
     return [[s.generated for s in r.outputs()] for r in engine.generate(prompts, params)]
 
 
-def test_top_k_one_is_greedy_on_both_paths(tiny):
+def test_top_k_one_is_greedy(tiny):
     """top_k = 1 keeps the most likely token alone: sampling at any temperature is greedy."""
     prompts = _prompts(SEED)
     greedy = _generated(Engine(tiny, num_blocks=300, stop_ids=STOP), prompts,
                         PARAMS["greedy"])
     p = SamplingParams(max_new_tokens=20, temperature=1.5, top_k=1, seed=5)
-    for cls in (Engine, BatchEngine):
-        assert _generated(cls(tiny, num_blocks=300, stop_ids=STOP), prompts, p) == greedy
+    assert _generated(Engine(tiny, num_blocks=300, stop_ids=STOP), prompts, p) == greedy
 
 
-def test_top_k_limits_the_host_sampler(tiny):
-    """The host path's top_k: every token is among the k most likely of its step."""
+def test_top_k_limits_the_sampler(tiny):
+    """top_k: every token is among the k most likely of its step."""
     prompt, k = _prompts(SEED)[1], 3
     p = SamplingParams(max_new_tokens=12, temperature=2.0, top_k=k, seed=9)
     (req,) = Engine(tiny, num_blocks=300, stop_ids=STOP).generate([prompt], p)
@@ -286,30 +279,30 @@ def reference_logits(model, tokens):
     return np.asarray(reference_forward(model, cache, tokens))[-1]
 
 
-def test_batch_sampling_is_the_same_whatever_the_batch(tiny):
+def test_sampling_is_the_same_whatever_the_batch(tiny):
     """A sequence draws from its own stream (seed, counter): alone or beside others, in one
     batch call, a request gets the same tokens; and the same seed gives the same tokens."""
     prompts = _prompts(SEED)
     p = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=40, n=2,
                        seed=7)
-    together = _generated(BatchEngine(tiny, num_blocks=300, stop_ids=STOP), prompts, p)
-    alone = [_generated(BatchEngine(tiny, num_blocks=300, stop_ids=STOP), [q], p)[0]
+    together = _generated(Engine(tiny, num_blocks=300, stop_ids=STOP), prompts, p)
+    alone = [_generated(Engine(tiny, num_blocks=300, stop_ids=STOP), [q], p)[0]
              for q in prompts]
     assert together == alone
     assert all(a[0] != a[1] for a in together)             # the two samples draw apart
     q = SamplingParams(**{**p.__dict__, "seed": 8})
-    assert _generated(BatchEngine(tiny, num_blocks=300, stop_ids=STOP), prompts, q) \
+    assert _generated(Engine(tiny, num_blocks=300, stop_ids=STOP), prompts, q) \
         != together
 
 
-def test_batch_sampling_follows_the_reference_sampler(tiny):
-    """Each token of the batch path is the batch sampler's choice for its step: replayed
-    with the oracle model's logits, the stream's seed and counter, the reference rule
-    (sort-based, in NumPy) chooses the same token."""
+def test_sampling_follows_the_reference_sampler(tiny):
+    """Each token is the batch sampler's choice for its step: replayed with the oracle
+    model's logits, the stream's seed and counter, the reference rule (sort-based, in
+    NumPy) chooses the same token."""
     from pagedkv.kernels.sampling import derive_seed, reference_rows
     prompt = _prompts(SEED)[2]
     p = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.85, top_k=20, seed=3)
-    (req,) = BatchEngine(tiny, num_blocks=300, stop_ids=STOP).generate([prompt], p)
+    (req,) = Engine(tiny, num_blocks=300, stop_ids=STOP).generate([prompt], p)
     tokens, seed = list(prompt), derive_seed(3, 0)
     for i, t in enumerate(req.outputs()[0].generated):
         logits = reference_logits(tiny, tokens).astype(np.float32)[None, :]
@@ -318,14 +311,13 @@ def test_batch_sampling_follows_the_reference_sampler(tiny):
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled", "n4"])
-def test_batch_sampling_min_tokens_and_stops(tiny, kind):
-    """On the batch path too: min_tokens masks the stop id in its rows, and a stop id ends
-    the answer."""
+def test_min_tokens_and_stops_in_the_sampler(tiny, kind):
+    """min_tokens masks the stop id in its rows, and a stop id ends the answer."""
     params, prompt = PARAMS[kind], _prompts(SEED)[1]
-    free = BatchEngine(tiny, num_blocks=300, stop_ids=())
+    free = Engine(tiny, num_blocks=300, stop_ids=())
     best = free.generate([prompt], params)[0].outputs()[0].generated
     i, stop = _first_new(best)
-    engine = BatchEngine(tiny, num_blocks=300, stop_ids=(stop,), audit=True)
+    engine = Engine(tiny, num_blocks=300, stop_ids=(stop,), audit=True)
     (req,) = engine.generate([prompt], params)
     assert req.outputs()[0].generated == best[:i + 1]       # the same draws, cut at stop
     m = i + 2

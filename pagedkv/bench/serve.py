@@ -34,8 +34,8 @@ from ..checks import cdiv
 from ..errors import ConfigError
 from ..model.blas import single_thread_blas
 from ..model.engine import Engine
-from ..model.requests import SamplingParams
-from ..model.timeline import attach
+from ..config import SamplingParams
+from ..model.timeline import attach, busy_seconds
 
 __all__ = ["make_requests", "spike_requests", "spike", "workload", "workload_arguments",
            "check_workload", "options", "serve_pagedkv", "serve_transformers", "latency",
@@ -114,8 +114,7 @@ def _engine(model, requests, args) -> Engine:
                   stop_ids=(), runner=runner, max_context=longest if fast else None,
                   bookkeeping="fast" if fast else "teaching",
                   token_budget=args.token_budget, prefill_chunk=args.token_budget or 2048,
-                  single_pass=fast and args.single_pass,
-                  overlap=args.overlap if fast else False)
+                  overlap=args.overlap)
 
 
 def _warm_up(engine: Engine, vocab: int) -> None:
@@ -127,35 +126,14 @@ def _warm_up(engine: Engine, vocab: int) -> None:
     backend.synchronize()
 
 
-def _time_parts(engine: Engine) -> dict:
-    """Wrap the engine's passes so that their seconds add up (the device synchronised after
-    each, so its work is inside); the rest of a step is the scheduler's and the
-    bookkeeping's. With the single pass, a step's combined pass is counted as ``mixed``."""
-    spent = {"prefill": 0.0, "decode": 0.0}
-    if engine.ahead is not None:           # overlapped decodes are not waited for here
-        del spent["decode"]
-    if engine.runner.single_pass:
-        spent["mixed"] = 0.0
-    for part in spent:
-        fn = getattr(engine, f"run_{part}")
-
-        def timed(*args, fn=fn, part=part, **kwargs):
-            t = time.perf_counter()
-            result = fn(*args, **kwargs)
-            backend.synchronize()
-            spent[part] += time.perf_counter() - t
-            return result
-        setattr(engine, f"run_{part}", timed)
-    return spent
-
-
 def options(**given) -> argparse.Namespace:
     """The engine's options as the command line gives them (its defaults, updated by
-    ``given``: ``token_budget``, ``max_seqs``, ``blocks``, ``runner``, ``single_pass``,
-    ``overlap`` (None: the engine's default, on on a GPU), ``trace``: steps of the
+    ``given``: ``token_budget``, ``max_seqs``, ``blocks``, ``runner``, ``overlap``
+    (None: the engine's default, on where the runner is a fast one on a GPU), ``trace``:
+    steps of the
     timeline kept for a plot)."""
     o = argparse.Namespace(token_budget=2048, max_seqs=256, blocks=0, runner=None,
-                           single_pass=False, overlap=None, trace=0)
+                           overlap=None, trace=0)
     for key, value in given.items():
         if not hasattr(o, key):
             raise ConfigError(f"unknown option {key!r}; choose from {sorted(vars(o))}")
@@ -192,7 +170,7 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
             arrival, prompt, out = requests[i]
             due[i] = now if clock == "steps" else arrival
             live[i] = engine.submit(prompt, SamplingParams(max_new_tokens=out))
-        if not (engine.scheduler.waiting or engine.scheduler.running or engine.scheduler.swapped):
+        if not engine.has_work():
             if clock == "steps":
                 steps = int(requests[pending[0]][0])
             else:
@@ -214,14 +192,15 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
             progress.update(new)
     wall = max(s[-1] for s in stamps if s)
     out = _summary(due, stamps, wall)
-    out["seconds_in"] = {k: round(v, 4) for k, v in spent.items()}
     out["timeline"] = timeline.summary()
+    out["device_s"] = {k: round(busy_seconds([x for x in timeline.device() if x[0] == k]), 4)
+                       for k in ("prefill", "decode", "draw", "swap")}
     if args.trace:                         # a few steps from the middle of the run
         out["timeline"]["steps"] = timeline.to_json(steps // 2, args.trace)
     out.update(steps=steps, peak_blocks=peak, num_blocks=engine.memory.manager.allocator.num_blocks,
                preemptions=engine.memory.counts.preemptions, runner=type(engine.runner).__name__,
                token_budget=args.token_budget, max_seqs=args.max_seqs,
-               single_pass=engine.runner.single_pass, overlap=engine.ahead is not None)
+               overlap=engine.depth > 0)
     return out
 
 
@@ -404,9 +383,8 @@ def table(r: dict) -> str:
                          f"worst gap {sp['worst_itl_ms']:.1f} ms, "
                          f"{sp['worst_over_median']:.1f} x their median")
     p = r["pagedkv"]
-    lines.append("pagedkv seconds in: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in p["seconds_in"].items())
-        + f", the rest {p['wall_s'] - sum(p['seconds_in'].values()):.2f}")
+    lines.append(f"pagedkv {'GPU' if backend.on_gpu else 'device calls'} seconds in: "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in p["device_s"].items()))
     tl = p["timeline"]
     lines.append(f"pagedkv {'GPU' if backend.on_gpu else 'device calls'} idle "
                  f"{100 * tl['device_idle_share']:.1f} % of {tl['wall_s']:.2f} s; host "
@@ -433,12 +411,9 @@ def main(argv=None) -> int:
                    help="pool blocks (default: every block the requests could need)")
     p.add_argument("--runner", choices=("plain", "fast", "fast-eager"), default=None,
                    help="default: fast on a GPU, plain on a CPU")
-    p.add_argument("--single-pass", action="store_true",
-                   help="a step's last prefill pack and its decode rows in one forward "
-                        "pass (fast runners)")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
-                   help="plan each decode step while the GPU runs the one before (fast "
-                        "runners; auto: on on a GPU)")
+                   help="plan each step while the device runs the one before (auto: on "
+                        "where the runner is a fast one on a GPU)")
     p.add_argument("--trace", type=int, default=0, metavar="STEPS",
                    help="keep this many steps of the host/GPU timeline in the JSON")
     p.add_argument("--keep-stamps", action="store_true",

@@ -162,18 +162,13 @@ class DecodePlan:
         """float32 numbers of scratch the split results need (0 without splits)."""
         return batch * q_heads * self.num_splits * (head_dim + 1) if self.num_splits > 1 else 0
 
-    def run(self, q, cache, block_tables, seq_lens, out=None, scale=None, scratch=None,
-            counters=None):
+    def run(self, q, cache, block_tables, seq_lens, out=None, scale=None, scratch=None):
         """Launch on CuPy arrays of the shape this plan was made for, without re-checking them
         (for a decode loop whose shapes do not change; :func:`paged_decode_attention` checks).
         ``scratch`` (float32, :meth:`scratch_floats` long) holds the split results; by default a
         buffer shared by every launch on the stream, which may be replaced by a larger one (a
-        CUDA graph, whose addresses are fixed, must bring its own).
-
-        With splits, a second kernel merges them, unless ``counters`` is given: uint32
-        [batch × kv_heads], all zero, which the attention kernel uses to let the split that
-        finishes last merge them (one launch instead of two; the counters are zero again
-        after it, so a graph may replay it). Both give the same numbers, bit for bit."""
+        CUDA graph, whose addresses are fixed, must bring its own). With splits, a second
+        kernel merges them."""
         cp = backend.xp
         batch, q_heads, d = q.shape
         kv_heads = cache.shape[3]
@@ -192,18 +187,12 @@ class DecodePlan:
             part_o, part_lse = scratch[:n * d], scratch[n * d:n * (d + 1)]
         else:
             part_o = part_lse = out                      # unused by the kernel
-        merge_here = counters is not None and self.num_splits > 1
-        if merge_here and (counters.dtype != np.uint32 or counters.size < batch * kv_heads):
-            raise ConfigError(f"counters must be uint32 with {batch * kv_heads} numbers "
-                              f"(one per sequence and kv head), got {counters.dtype} "
-                              f"[{counters.size}]")
         launch(self._fn, (self.num_splits, kv_heads, batch), (self.threads,),
-               (q, cache, block_tables, seq_lens, out, part_o, part_lse,
-                counters if merge_here else np.uint64(0), np.int32(kv_heads),
+               (q, cache, block_tables, seq_lens, out, part_o, part_lse, np.int32(kv_heads),
                 np.int32(block_tables.shape[1]), np.int32(self.split_tokens),
                 np.float32(scale * 1.4426950408889634)),   # log2(e): the kernels use exp2
                shared_mem=self.smem_bytes if self.path == "tensor-cores" else 0)
-        if self._merge is not None and not merge_here:
+        if self._merge is not None:
             launch(self._merge, (batch * q_heads,), (min(d, 256),),
                    (part_o, part_lse, out, np.int32(self.num_splits), np.int32(d)))
         return out

@@ -214,34 +214,3 @@ __global__ void merge_splits(const float* __restrict__ part_o,
     merge_split_row<DT>(part_o, part_lse, out, blockIdx.x, num_splits, head_dim, threadIdx.x,
                         blockDim.x);
 }
-
-// Or inside the attention kernel, without a launch: each split's CTA, once its results are
-// written, counts itself in *counter (one counter per sequence and kv head, zero before
-// the launch); the CTA that counts last knows that every other split has written, merges,
-// and sets the counter back to zero for the next launch (a CUDA graph replays the same
-// counters). After the barrier, one thread's fence makes the CTA's writes visible to the
-// GPU before it counts (as CUTLASS's split-K semaphore does); the last CTA's fence orders
-// its reads after the count.
-__device__ __forceinline__ bool arrived_last(unsigned* counter, int num_splits) {
-    __shared__ int last;
-    __syncthreads();                      // every thread of this CTA has written
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(counter, 1u) == (unsigned)(num_splits - 1);
-        if (last) {
-            atomicExch(counter, 0u);
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    return last;
-}
-
-// The last split's merge: the GROUP query heads of one kv head, one output number a thread.
-template <int DT, int GROUP, int HEAD_DIM>
-__device__ __forceinline__ void merge_group(const float* part_o, const float* part_lse,
-                                            void* out, long long first_row, int num_splits) {
-    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x)
-        merge_split_row<DT>(part_o, part_lse, out, first_row + i / HEAD_DIM, num_splits,
-                            HEAD_DIM, i % HEAD_DIM, HEAD_DIM);
-}

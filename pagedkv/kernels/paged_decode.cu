@@ -25,16 +25,15 @@
 // seq_lens     [batch]
 // out          [batch][q_heads][HEAD_DIM]   written when there is one split
 // part_o, part_lse: each split's normalised output and log2-sum-exp, merged by
-// merge_splits, or here by the split that finishes last when counters is not null
-// (counters [batch][kv_heads], zero before the launch and after it; common.cuh)
+// merge_splits (common.cuh)
 template <int DT, int HEAD_DIM, int GROUP, int BLOCK_SIZE, int NWARPS, int UNROLL,
           int STAGES, int CHUNKS>
 __global__ void __launch_bounds__(NWARPS * 32)
 paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
              const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
              void* __restrict__ out, float* __restrict__ part_o,
-             float* __restrict__ part_lse, unsigned* __restrict__ counters, int kv_heads,
-             int max_blocks, int split_tokens, float scale_log2) {
+             float* __restrict__ part_lse, int kv_heads, int max_blocks, int split_tokens,
+             float scale_log2) {
     using N = Num<DT>;
     constexpr int VEC = N::PER_VEC;                     // numbers per 16-byte load
     constexpr int ROW_VECS = HEAD_DIM / VEC;            // 16-byte loads per head row
@@ -263,8 +262,4 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         }
         __syncthreads();  // before the next head overwrites shared memory
     }
-    if (num_splits > 1 && counters != nullptr &&
-        arrived_last(counters + (long long)b * kv_heads + h, num_splits))
-        merge_group<DT, GROUP, HEAD_DIM>(part_o, part_lse, out,
-                                         (long long)b * q_heads + h * GROUP, num_splits);
 }

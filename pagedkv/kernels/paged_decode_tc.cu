@@ -35,15 +35,15 @@
 
 // q [batch][q_heads][HEAD_DIM], cache [num_blocks][2][BLOCK_SIZE][kv_heads][HEAD_DIM]
 // (uint4 chunks), block_tables [batch][max_blocks], seq_lens [batch]; out, part_o,
-// part_lse and counters as in step 6. Dynamic shared memory: NWARPS * STAGES tiles of 16 K rows and 16
-// V rows.
+// part_lse as in step 6. Dynamic shared memory: NWARPS * STAGES tiles of 16 K rows and 16 V
+// rows.
 template <int DT, int HEAD_DIM, int GROUP, int BLOCK_SIZE, int NWARPS, int STAGES>
 __global__ void __launch_bounds__(NWARPS * 32)
 paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
                 const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                 void* __restrict__ out, float* __restrict__ part_o,
-                float* __restrict__ part_lse, unsigned* __restrict__ counters,
-                int kv_heads, int max_blocks, int split_tokens, float scale_log2) {
+                float* __restrict__ part_lse, int kv_heads, int max_blocks,
+                int split_tokens, float scale_log2) {
     static_assert(DT == 1 || DT == 2, "tensor cores take float16 or bfloat16");
     static_assert(GROUP >= 1 && GROUP <= 8, "one 8-column tile of query heads");
     constexpr int TILE = 16;                     // tokens per warp tile
@@ -233,8 +233,4 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
                                                                  : NEG_INF;
         }
     }
-    if (num_splits > 1 && counters != nullptr &&
-        arrived_last(counters + (long long)b * kv_heads + h, num_splits))
-        merge_group<DT, GROUP, HEAD_DIM>(part_o, part_lse, out,
-                                         (long long)b * q_heads + h * GROUP, num_splits);
 }

