@@ -91,6 +91,7 @@ def test_a_stopped_engine_never_freezes_the_server():
                 assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
                 assert "no progress" in r.json()["error"]["message"] and took < 1.0
                 assert metric(s, "pagedkv_engine_stalled") == 1
+                assert metric(s, "pagedkv_engine_heard_age_seconds") > STALL
                 rest = list(lines)                   # the stream's end
                 errors = [json.loads(x[6:])["error"] for x in rest if '"error"' in x]
                 assert errors and "no progress" in errors[0]["message"], rest[-3:]
@@ -120,16 +121,22 @@ def test_a_stopped_engine_never_freezes_the_server():
 
 def test_sigterm_with_a_stopped_engine_exits_within_the_shutdown_timeout():
     """SIGTERM while the engine's process is stopped: the open stream ends at once with
-    a 503 error event, the engine's process is killed when --shutdown-timeout has
-    passed, and the server exits with status 0."""
+    a 503 error event and a whole answer with a 503 error object, the engine's process
+    is killed when --shutdown-timeout has passed, and the server exits with status 0."""
     s = ServerProcess("--model", "tiny", "--shutdown-timeout", 2, env=ENV,
                       timeout=60).start()
     try:
         child = _engine_process(s)
+        whole = concurrent.futures.ThreadPoolExecutor(1).submit(
+            httpx.post, s.base_url + "/completions", json=LONG, timeout=TIMEOUT)
         with httpx.stream("POST", s.base_url + "/completions", json=dict(LONG, stream=True),
                           timeout=TIMEOUT) as r:
             lines = r.iter_lines()
             _first_chunk(lines)
+            end = time.monotonic() + 10
+            while metric(s, "pagedkv_requests_total") < 2:     # the whole answer's too
+                assert time.monotonic() < end
+                time.sleep(0.05)
             child.suspend()
             t = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
@@ -137,8 +144,11 @@ def test_sigterm_with_a_stopped_engine_exits_within_the_shutdown_timeout():
             ended = time.monotonic() - t
         status = s.proc.wait(10)
         took = time.monotonic() - t
+        r = whole.result(TIMEOUT)
     finally:
         s._kill()
+    assert r.status_code == 503 and r.json()["error"]["message"] == \
+        "the server is shutting down", r.text
     assert any("the server is shutting down" in line for line in rest), rest[-3:]
     assert ended < 1.0, ended
     assert status == 0 and took < 2 + 2, (status, took, s.log())
