@@ -66,7 +66,10 @@ class Mailbox:
             self.pending.append((queue, events))
             if len(self.pending) > 1:
                 return                          # a wake-up is on its way already
-        self.aloop.call_soon_threadsafe(self._deliver)
+        try:
+            self.aloop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:                    # the event loop has closed: nobody reads
+            log.debug("events for a closed event loop dropped")
 
     def _deliver(self) -> None:                 # the event loop
         with self.lock:
