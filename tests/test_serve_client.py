@@ -221,3 +221,35 @@ def test_the_client_over_a_thread_of_the_tiny_engine():
         assert client.stats["finished"] == 1
     finally:
         client.stop()
+
+
+def test_the_engine_spec_leaves_the_machines_choices_to_where_the_model_runs():
+    """The command line's 0 and "auto" are left open in the spec (a frozen value that
+    crosses to the engine's process) and decided by resolve: on a CPU 256 blocks, 32
+    sequences, the plain runner; the stop token is the model's; what is given is kept."""
+    import pickle
+
+    from pagedkv.errors import ConfigError
+    from pagedkv.serve.__main__ import engine_spec, parser
+    from pagedkv.serve.models import load
+    from pagedkv.serve.start import EngineSpec
+    spec = engine_spec(parser().parse_args(["--model", "tiny", "--prefix-caching",
+                                            "--token-budget", "512"]))
+    assert spec == EngineSpec.of("tiny", num_blocks=0, max_seqs=0, runner="auto",
+                                 block_size=16, prefix_caching=True, audit=False,
+                                 token_budget=512, chunked_prefill=True)
+    assert spec.auto == {"num_blocks", "max_seqs", "runner"}
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    served = load("tiny", model=False)
+    c = spec.resolve(served, gpu=False)
+    assert (c.num_blocks, c.max_seqs, c.runner, c.bookkeeping) == (256, 32, "plain",
+                                                                    "teaching")
+    assert c.stop_ids == (served.tokenizer.eos_id,) and c.prefill_chunk == 512
+    assert c.prefix_caching and c.token_budget == 512
+    given = EngineSpec.of("tiny", num_blocks=100, max_seqs=4, runner="fast")
+    c = given.resolve(served, gpu=False)
+    assert (c.num_blocks, c.max_seqs, c.runner, c.bookkeeping) == (100, 4, "fast", "fast")
+    with pytest.raises(ConfigError, match="the model must be 'smollm2' or 'tiny'"):
+        EngineSpec.of("gpt-4")
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineSpec.of("tiny", block_size=0)
