@@ -258,12 +258,17 @@ def test_metrics(client, server):
     for name in ("pagedkv_blocks{state=\"used\"}", "pagedkv_blocks{state=\"free\"}",
                  "pagedkv_blocks{state=\"cached\"}", "pagedkv_requests_running",
                  "pagedkv_requests_waiting", "pagedkv_generation_tokens_total",
-                 "pagedkv_prefix_cache_hit_rate"):
+                 "pagedkv_prefix_cache_hit_rate", "pagedkv_requests_finished_total",
+                 "pagedkv_engine_stalled", "pagedkv_engine_step_age_seconds"):
         assert name in text, name
     tokens = _metric(server, "pagedkv_generation_tokens_total")
+    finished = _metric(server, "pagedkv_requests_finished_total")
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=7, temperature=0)
     assert _metric(server, "pagedkv_generation_tokens_total") == \
         tokens + r.usage.completion_tokens
+    assert _metric(server, "pagedkv_requests_finished_total") == finished + 1
+    assert _metric(server, "pagedkv_engine_stalled") == 0
+    assert 0 <= _metric(server, "pagedkv_engine_heard_age_seconds") < 30
     assert _metric(server, "pagedkv_blocks_total") == 256
 
 

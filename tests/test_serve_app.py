@@ -223,6 +223,17 @@ def test_host_and_cors_refusals_are_openai_errors():
         client.stop()
 
 
+def test_every_address_with_allowed_hosts_refuses_a_rebound_name():
+    app, client = _app(Limits(host="0.0.0.0", allowed_hosts=("my.host",)))
+    try:
+        r = _call(app, "GET", "/pool", headers={"Host": "rebound.example:8000"})
+        assert r.status_code == 400 and "answers to my.host" in r.text
+        assert _call(app, "GET", "/v1/models", headers={"Host": "my.host:8000"}) \
+            .status_code == 200
+    finally:
+        client.stop()
+
+
 def test_allowed_hosts():
     from pagedkv.serve.limits import allowed_hosts
     assert allowed_hosts(Limits()) == ["127.0.0.1", "localhost", "[::1]"]
