@@ -246,7 +246,11 @@ def test_command_line_errors():
                          (["--max-waiting", "0"], "--max-waiting must be at least 1"),
                          (["--max-body", "0"], "--max-body must be at least 1"),
                          (["--read-timeout", "0"], "--read-timeout must be a positive"),
-                         (["--allow-origin", "evil.example"], "--allow-origin takes")):
+                         (["--allow-origin", "evil.example"], "--allow-origin takes"),
+                         (["--stream-interval", "0"], "--stream-interval must be at least 1"),
+                         (["--stall-timeout", "0"], "--stall-timeout must be a positive"),
+                         (["--allowed-host", "a*.b"], "--allowed-host takes a name"),
+                         (["--api-key", " "], "--api-key is empty")):
         r = subprocess.run([sys.executable, "-m", "pagedkv.serve", "--model", "tiny",
                             *flags], capture_output=True, text=True, env=ENV, timeout=60)
         assert r.returncode == 2 and words in r.stderr, (r.returncode, r.stderr)
