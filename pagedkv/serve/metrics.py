@@ -47,7 +47,7 @@ class ClientCollector:
                 ("pagedkv_generation_tokens", "generated_tokens", "Tokens generated"),
                 ("pagedkv_engine_steps", "steps", "Engine steps"),
                 ("pagedkv_engine_step_seconds", "step_seconds", "Seconds the engine's "
-                 "thread spent in steps (the rest: commands, text, waiting)")):
+                 "core spent in steps (the rest: its commands, and waiting)")):
             yield CounterMetricFamily(name, doc, value=s[key])
         yield GaugeMetricFamily("pagedkv_engine_dead", "1 once the engine cannot serve "
                                 "(the server exits)", value=int(s["dead"]))
