@@ -131,7 +131,7 @@ class EngineClient:
 
     def request_stop(self) -> None:
         """Every request ends now (503: shutting down) and the core is asked to stop;
-        returns at once (safe in a signal handler)."""
+        returns at once (uvicorn calls it on the event loop when a signal comes)."""
         with self.lock:
             if self.stopping:
                 return
