@@ -31,15 +31,18 @@ class Reserving:
     (its ids would be named out of order)."""
 
     def _pending_counts(self) -> dict:
-        """Sequence id -> its pending slots (sequences freed since are dropped here)."""
+        """Sequence id -> its pending slots. A sequence freed with slots pending keeps its
+        entry until a commit meets it or the dict outgrows the live sequences (then every
+        freed one is dropped at once: amortised, no pass over it at every step)."""
         counts = self.__dict__.setdefault("_pending", {})
-        for seq_id in [i for i in counts if i not in self._tail]:
-            del counts[seq_id]
+        if len(counts) > 2 * len(self._tail) + 64:
+            for seq_id in [i for i in counts if i not in self._tail]:
+                del counts[seq_id]
         return counts
 
     def pending(self) -> dict:
         """The sequences that have reserved slots without token ids, and how many each."""
-        return dict(self._pending_counts())
+        return {i: n for i, n in self._pending_counts().items() if i in self._tail}
 
     def reserve(self, seq_ids):
         """One decode step's slots for ``seq_ids`` (the plan ``step`` returns), their
@@ -60,20 +63,36 @@ class Reserving:
         if len(ids) != len(tokens):
             raise ConfigError(f"commit: one token per sequence, got {len(tokens)} for "
                               f"{len(ids)}")
-        counts = self.__dict__.setdefault("_pending", {})
         for seq_id, token in zip(ids, tokens):
-            if seq_id not in self._tail:          # freed since: nothing left to name
-                counts.pop(seq_id, None)
-                continue
-            if not counts.get(seq_id):
+            if not self._commit_one(seq_id, token) and seq_id in self._tail:
                 raise ConfigError(f"commit: sequence {seq_id!r} has no reserved slot")
-            counts[seq_id] -= 1
-            if not counts[seq_id]:
-                del counts[seq_id]
-            tail = self._tail[seq_id]
-            tail.append(token)
-            if len(tail) == self.block_size:
-                self._cache_full_blocks(seq_id)
+
+    def commit_landed(self, seq_ids, tokens) -> None:
+        """Tokens as they land, each its sequence's newest: those whose slot is reserved
+        and pending are committed (in order); the others are not the manager's yet (their
+        slot will be reserved with the id known) and are passed over."""
+        for seq_id, token in zip(seq_ids, tokens):
+            self._commit_one(seq_id, int(token))
+
+    def _commit_one(self, seq_id, token: int) -> bool:
+        """Give the oldest pending slot of ``seq_id`` its token (naming a block it fills);
+        False if the sequence has none (a freed one's entry is dropped)."""
+        counts = self.__dict__.setdefault("_pending", {})
+        n = counts.get(seq_id)
+        if not n:
+            return False
+        tail = self._tail.get(seq_id)
+        if tail is None:                           # freed since: nothing left to name
+            del counts[seq_id]
+            return False
+        if n == 1:
+            del counts[seq_id]
+        else:
+            counts[seq_id] = n - 1
+        tail.append(token)
+        if len(tail) == self.block_size:
+            self._cache_full_blocks(seq_id)
+        return True
 
     def _committed(self, seq_id) -> int:
         """Tokens of the sequence whose ids the manager knows (pending slots excluded)."""

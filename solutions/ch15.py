@@ -315,7 +315,7 @@ def check_StopIncluded(impl=StopIncluded, seed=15, trials=40):
     served = load("tiny")
     engine = Engine(served.model, num_blocks=64, stop_ids=[served.tokenizer.eos_id])
     loop = EngineLoop(engine, served.tokenizer)
-    loop.texts = impl(served.tokenizer, engine.stop_ids)
+    loop.texts = impl(served.tokenizer, engine.config.stop_ids)
     loop.start()
     try:
         for _ in range(trials):
@@ -333,8 +333,8 @@ def check_StopIncluded(impl=StopIncluded, seed=15, trials=40):
             text, reasons, _ = _ask(loop, prompt, params, stops, stream)
             assert text == want, (whole, stops, text, want)
             assert reasons[-1] == "stop", (stops, reasons)
-        assert engine.manager.allocator.num_used == 0
-        engine.manager.audit()
+        assert engine.memory.manager.allocator.num_used == 0
+        engine.memory.manager.audit()
     finally:
         loop.stop()
     return {"answers": trials}
