@@ -154,47 +154,45 @@ def target_law(draft, probs):
     return law
 
 
-def dyadic_rows(rng, rows, vocab):
-    """Rows of eighths: [vocab] non-negative multiples of 1/8 summing to 1."""
+def fraction_rows(rng, rows, vocab, denom):
+    """Rows of [vocab] non-negative multiples of 1/denom summing to 1."""
     out = []
     for _ in range(rows):
-        cuts = sorted(rng.randrange(9) for _ in range(vocab - 1))
-        parts = [b - a for a, b in zip([0] + cuts, cuts + [8])]
-        out.append([Fraction(x, 8) for x in parts])
+        cuts = sorted(rng.randrange(denom + 1) for _ in range(vocab - 1))
+        parts = [b - a for a, b in zip([0] + cuts, cuts + [denom])]
+        out.append([Fraction(x, denom) for x in parts])
     return out
 
 
 def test_the_sampled_rule_gives_the_target_distribution_exactly():
-    """Probabilities in eighths, uniforms on grids of midpoints: 8 per acceptance test (an
-    acceptance probability a/8 is then exactly a of them) and 840 = lcm(1..8) for the one
-    sample (the residual's probabilities c/b, b <= 8, are then exact too). Every grid point
-    is one call; the counts must equal the target's chain-rule probabilities exactly, for
-    drafts that are likely, unlikely, certain and impossible."""
+    """Probabilities in multiples of 1/D, uniforms on grids of midpoints: D per acceptance
+    test (an acceptance probability a/D is then exactly a of them) and lcm(1..D) for the
+    one sample (the residual's probabilities c/b, b <= D, are then exact too, and no grid
+    point falls on a boundary). Every grid point is one call; the counts must equal the
+    target's chain-rule probabilities exactly, for guesses that are likely, unlikely,
+    certain and impossible."""
     rng = random.Random(SEED)
     print(f"seed {SEED}")
-    accept_grid = [(j + 0.5) / 8 for j in range(8)]
-    sample_grid = [(j + 0.5) / 840 for j in range(840)]
-    cases = 0
     for case in range(6):
-        k, vocab = (1, 4) if case < 3 else (2, 3)
-        probs = dyadic_rows(rng, k + 1, vocab)
+        k, vocab, denom = (1, 4, 8) if case < 3 else (2, 3, 4)
+        accept_grid = [(j + 0.5) / denom for j in range(denom)]
+        points = math.lcm(*range(1, denom + 1))
+        sample_grid = [(j + 0.5) / points for j in range(points)]
+        probs = fraction_rows(rng, k + 1, vocab, denom)
         draft = [rng.randrange(vocab) for _ in range(k)]
         if case == 1:
             probs[0], draft[0] = [Fraction(1), 0, 0, 0], 0  # a certain guess
-        if case == 2:
-            draft[0] = next((t for t in range(vocab) if probs[0][t] == 0), 3)
-            probs[0][draft[0]], probs[0][(draft[0] + 1) % vocab] = \
-                0, probs[0][draft[0]] + probs[0][(draft[0] + 1) % vocab]   # an impossible one
+        if case == 2:                                       # an impossible one
+            d, e = draft[0], (draft[0] + 1) % vocab
+            probs[0][d], probs[0][e] = 0, probs[0][d] + probs[0][e]
         floats = np.array([[float(x) for x in row] for row in probs])
         counts = Counter()
         for us in itertools.product(accept_grid, repeat=k):
             for v in sample_grid:
                 counts[tuple(accept_sampled(draft, floats, us, v))] += 1
-        total = 8 ** k * 840
+        total = denom ** k * points
         got = {out: Fraction(n, total) for out, n in counts.items()}
         assert got == target_law(draft, probs), (case, draft, probs)
-        cases += 1
-    assert cases == 6
 
 
 def chi2_critical(df: int, z: float = 3.719) -> float:
