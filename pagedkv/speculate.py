@@ -1,4 +1,4 @@
-"""Speculative decoding's pure parts: guess the next tokens, then keep what the model agrees with.
+"""Speculative decoding's pure parts: guess the next tokens, keep what the model agrees with.
 
 A decode step computes one token a sequence. At small batch the step is bound by reading the
 weights (or by its launches), not by its arithmetic, so a pass over ``k + 1`` query tokens of a

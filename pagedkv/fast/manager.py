@@ -16,9 +16,10 @@ Invariants, checked by :meth:`KVCacheManager.audit` (with the allocator's own):
 
 Only a sequence's partly filled last block is ever written, so only it can need a copy; the
 ``_cow`` flag lets a step skip the owner counts of every row that has not forked (or been
-truncated into a shared block) since its last write. Freeing a sequence moves the last row into its hole, so ``seq_ids`` (the order of
-``step()``) is row order, not the order of ``add``. Every plan is the one the teaching manager
-returns for the same calls: the same slots, block ids, copies and order.
+truncated into a shared block) since its last write. Freeing a sequence moves the last row
+into its hole, so ``seq_ids`` (the order of ``step()``) is row order, not the order of
+``add``. Every plan is the one the teaching manager returns for the same calls: the same
+slots, block ids, copies and order.
 """
 from __future__ import annotations
 
