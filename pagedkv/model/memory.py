@@ -415,9 +415,9 @@ class EngineMemory(Memory):
         for req, seq in zip(reqs, seqs):
             if seq.stream_seed is None:            # its stream, fixed at its first draw
                 seq.stream_seed = derive_seed(req.seed, req.live.index(seq))
-        params = [r.params for r in reqs]
-        counters = [s.planned for s in seqs]
-        for seq in seqs:
+        params, counters = [r.params for r in reqs], []
+        for seq in seqs:                   # (a sequence may draw twice: its first token,
+            counters.append(seq.planned)   # then the next)
             seq.planned += 1
         ban = np.array([c < p.min_tokens for c, p in zip(counters, params)], bool) \
             if self.stop_ids else np.zeros(len(seqs), bool)
