@@ -116,8 +116,12 @@ class Reserving:
         """Tokens as they land, each its sequence's newest: those whose slot is reserved
         and pending are committed (in order); the others are not the manager's yet (their
         slot will be reserved with the id known) and are passed over."""
+        held, tails = self.__dict__.get("_pending"), self._tail
+        if not held:
+            return
         for seq_id, token in zip(seq_ids, tokens):
-            if self._pending_of(seq_id):
+            entry = held.get(seq_id)
+            if entry is not None and entry[1] and entry[0] is tails.get(seq_id):
                 self._commit_one(seq_id, int(token))
 
     def _commit_one(self, seq_id, token: int) -> None:
