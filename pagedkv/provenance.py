@@ -5,8 +5,9 @@ is read from a committed file. This module answers, from the files themselves, w
 intro's list and the status page show, so that neither can fall behind:
 
 * :func:`chapter_reads`: the results files a notebook names, in its code (string literals,
-  and f-strings whose fields run over a literal tuple in the same cell) or in its prose
-  (a name that matches a committed file, ``{a,b}`` choices allowed);
+  and f-strings whose fields run over a literal tuple in the same cell; a call of
+  :func:`newest_gpu_run` reads the newest all-notebook GPU log and its tests' log) or in
+  its prose (a name that matches a committed file, ``{a,b}`` choices allowed);
 * :func:`sources`: every such file or pattern, the chapters that name it, its card, its
   date and what it holds (``perf/results/about.json``, one line a file or pattern), and
   the files the scoreboard page reads (:func:`scoreboard_files`: the newest result of
@@ -130,6 +131,10 @@ def chapter_reads(path: Path, results: Path = RESULTS) -> dict[str, list[Path]]:
     for i, cell in enumerate(cells):
         text = "".join(cell["source"])
         if cell["cell_type"] == "code":
+            if "newest_gpu_run(" in text:              # the newest all-notebook GPU log
+                run = newest_gpu_run(results)
+                for log in filter(None, (run.log, run.tests_log)):
+                    names[log.name] = [log]
             for name in sorted(code_names(text)):
                 files = matching(name, results)
                 if not files:
@@ -189,6 +194,18 @@ def about(path: Path = ABOUT) -> dict[str, str]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def describe(name: str, described: dict[str, str]) -> str | None:
+    """What a results file holds: its line in about.json; a GPU run's logs say it by
+    their names (``<card>-<date>-nbval.log`` and its ``pytest`` twin)."""
+    if name in described:
+        return described[name]
+    if NBVAL_LOG.match(name):
+        return "every notebook under nbval on the GPU"
+    if NBVAL_LOG.match(name.replace("-pytest", "-nbval")):
+        return "the package's tests in the same GPU run"
+    return None
+
+
 def chapters(book: Path = BOOK) -> list[Path]:
     """The numbered chapters' notebooks, in order."""
     return sorted(p for p in book.glob("[0-9][0-9]_*.ipynb"))
@@ -203,13 +220,13 @@ def sources(book: Path = BOOK, results: Path = RESULTS) -> list[Source]:
             if name not in found:
                 card, _ = card_and_date(files[-1])
                 date = max(card_and_date(f)[1] for f in files)
-                found[name] = Source(name, files, [], described.get(name), card, date)
+                found[name] = Source(name, files, [], describe(name, described), card, date)
             found[name].chapters.append(nb.stem)
     for path, _ in scoreboard_files(results).values():      # the scoreboard's newest
         if path.name not in found:
             card, date = card_and_date(path)
-            found[path.name] = Source(path.name, [path], [], described.get(path.name),
-                                      card, date)
+            found[path.name] = Source(path.name, [path], [],
+                                      describe(path.name, described), card, date)
         found[path.name].chapters.append("scoreboard")
     return list(found.values())
 
@@ -232,6 +249,33 @@ class GpuRun:
     @property
     def total(self) -> int:
         return self.passed + self.failed + self.errors
+
+    @property
+    def on_cupy(self) -> bool | None:
+        """Whether the notebooks ran on CuPy: the log's own header says, else its package
+        tests' log (a GPU usable, "so cupy can be had"); None if neither tells."""
+        if "backend" in self.header:
+            return "'backend': 'cupy'" in self.header["backend"]
+        if self.tests_log is not None:
+            return "a GPU is usable here, so cupy can be had" in self.tests_log.read_text()
+        return None
+
+    def outcome(self, notebook: str) -> str:
+        """What the run says of one notebook (a file name or stem), in words."""
+        name = notebook if notebook.endswith(".ipynb") else f"{notebook}.ipynb"
+        bad = self.not_passed.count(name) and self._bad_cells(name)
+        if self.cells is None:
+            return (f"{bad} of its cells did not pass" if bad else
+                    "none of its cells failed (the log names failures only)")
+        if name not in self.cells:
+            return "it was not in the run"
+        n = self.cells[name]
+        return f"{bad} of its {n} cells did not pass" if bad else f"all {n} of its cells passed"
+
+    def _bad_cells(self, name: str) -> int:
+        text = self.log.read_text()
+        return len(set(re.findall(rf"^(?:FAILED|ERROR) book/{re.escape(name)}::(Cell \d+)",
+                                  text, re.M)))
 
 
 def parse_nbval_log(path: Path) -> GpuRun:

@@ -204,3 +204,21 @@ def test_the_newest_run_of_every_notebook(tmp_path):
                                           "h200-2026-12-03-nbval-all.log"]
     (tmp_path / "h100-2026-12-07-nbval.log").write_text(NEW_LOG)
     assert provenance.newest_gpu_run(tmp_path).card == "H100"
+
+
+def test_what_a_run_says_of_one_notebook(tmp_path):
+    old = tmp_path / "h200-2026-12-02-nbval.log"
+    old.write_text(OLD_LOG)
+    (tmp_path / "h200-2026-12-02-pytest.log").write_text(
+        "SKIPPED [1] tests/test_backend.py:32: a GPU is usable here, so cupy can be had\n")
+    run = provenance.parse_nbval_log(old)
+    assert run.outcome("03_allocator") == "1 of its cells did not pass"
+    assert run.outcome("02_setup.ipynb").startswith("none of its cells failed")
+    assert run.on_cupy is True
+    new = tmp_path / "h100-2026-12-07-nbval.log"
+    new.write_text(NEW_LOG.replace("'cupy'", "'numpy'"))
+    run = provenance.parse_nbval_log(new)
+    assert run.outcome("01_why_paging") == "all 2 of its cells passed"
+    assert run.outcome("13_scheduling") == "1 of its 1 cells did not pass"
+    assert run.outcome("09_attention_kernels") == "it was not in the run"
+    assert run.on_cupy is False
