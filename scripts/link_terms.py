@@ -72,7 +72,8 @@ def link(cells: list, words: str, term: str) -> bool:
         if cell["cell_type"] != "markdown":
             continue
         text = "".join(cell["source"])
-        if f"<{term}>`" in text or f"{{term}}`{term}`" in text:
+        low = text.lower()                    # {term}`Tensor parallelism` links it too
+        if f"<{term.lower()}>`" in low or f"{{term}}`{term.lower()}`" in low:
             return False
         lines = text.split("\n")
         for n, line in enumerate(lines):
