@@ -99,7 +99,8 @@ def _fstring_names(node: ast.JoinedStr, values: dict) -> list[str]:
 
 
 def code_names(source: str) -> set[str]:
-    """The results-file names a code cell's strings hold (the last part of a path)."""
+    """The file names (``.json``, ``.log``) a code cell's strings hold: the last part of a
+    path, or the whole string if it names ``results/``."""
     lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
     try:
         tree = ast.parse("\n".join(lines))
@@ -114,7 +115,7 @@ def code_names(source: str) -> set[str]:
             strings.append(node.value)
         elif isinstance(node, ast.JoinedStr):
             strings += _fstring_names(node, values)
-    return {s.rsplit("/", 1)[-1] for s in strings
+    return {s if "results/" in s else s.rsplit("/", 1)[-1] for s in strings
             if re.fullmatch(NAME, s.rsplit("/", 1)[-1])}
 
 
@@ -125,7 +126,8 @@ def prose_names(text: str, results: Path = RESULTS) -> set[str]:
 
 def chapter_reads(path: Path, results: Path = RESULTS) -> dict[str, list[Path]]:
     """Each results name a notebook's code or prose holds -> the committed files it stands
-    for. A name in code that matches no file raises :class:`FileNotFoundError`."""
+    for. A path into ``results/`` in code that matches no file raises
+    :class:`FileNotFoundError`; other names that match none are not results."""
     cells = json.loads(Path(path).read_text())["cells"]
     names: dict[str, list[Path]] = {}
     for i, cell in enumerate(cells):
@@ -135,12 +137,14 @@ def chapter_reads(path: Path, results: Path = RESULTS) -> dict[str, list[Path]]:
                 run = newest_gpu_run(results)
                 for log in filter(None, (run.log, run.tests_log)):
                     names[log.name] = [log]
-            for name in sorted(code_names(text)):
+            for string in sorted(code_names(text)):
+                name = string.rsplit("/", 1)[-1]
                 files = matching(name, results)
-                if not files:
+                if files:
+                    names[name] = files
+                elif "results/" in string:           # other files (a --json output) pass
                     raise FileNotFoundError(f"{Path(path).name}, cell {i}, reads "
                                             f"perf/results/{name}, which is not committed")
-                names[name] = files
         elif cell["cell_type"] == "markdown":
             for name in sorted(prose_names(text, results)):
                 names[name] = matching(name, results)

@@ -54,7 +54,8 @@ def test_code_names_literals_paths_and_fstrings():
            'e = f"http-{way}.json"\n'
            'f = "not a file.json is prose", "x.txt"\n')
     assert provenance.code_names(src) == {
-        "model-h200-2026-12-01.json", "prefix-hit-*.json", "model-h200-2026-12-04.json",
+        "model-h200-2026-12-01.json", "../perf/results/prefix-hit-*.json",
+        "model-h200-2026-12-04.json",
         "model-h200-2026-12-04-pdl.json", "serve-b256-h100-x.json", "serve-b256-h100-y.json",
         "serve-b512-h100-x.json", "serve-b512-h100-y.json", "http-*.json"}
 
@@ -74,9 +75,12 @@ def test_a_chapter_reads_code_and_prose(tmp_path, results):
 
 
 def test_code_that_reads_a_file_not_committed_is_an_error(tmp_path, results):
-    nb = notebook(tmp_path / "09_x.ipynb", ("code", 'x = "model-h999-2027-01-01.json"'))
-    with pytest.raises(FileNotFoundError, match="model-h999-2027-01-01.json"):
+    nb = notebook(tmp_path / "09_x.ipynb", ("code", 'out = "serve.json"  # written here'),
+                  ("code", 'x = "../perf/results/model-h999-2027-01-01.json"'))
+    with pytest.raises(FileNotFoundError, match="cell 1, reads .*model-h999-2027-01-01.json"):
         provenance.chapter_reads(nb, results)
+    nb = notebook(tmp_path / "09_x.ipynb", ("code", 'out = "serve.json"  # written here'))
+    assert provenance.chapter_reads(nb, results) == {}
 
 
 def test_card_and_date_from_the_file_or_its_name(tmp_path):
