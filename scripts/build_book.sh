@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 
 STAMP=_build/.book-built
-SOURCES=(_config.yml _toc.yml references.bib book pagedkv solutions requirements.txt pyproject.toml)
+SOURCES=(_config.yml _toc.yml _static references.bib book pagedkv solutions requirements.txt
+         pyproject.toml)
 
 if [ "${1:-}" = "--if-stale" ] && [ -e "$STAMP" ] && [ -e _build/html/index.html ]; then
     changed=$(find "${SOURCES[@]}" -newer "$STAMP" -type f \
