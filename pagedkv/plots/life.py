@@ -21,8 +21,8 @@ from .prefix import IDLE_COLOR
 __all__ = ["STATES", "MOVES", "block_states", "draw_block_life"]
 
 #: The three states, left to right, with what each means.
-STATES = {"free": "on the free stack", "in use": "mapped: refcount >= 1",
-          "idle": "cached, mapped by nobody"}
+STATES = {"free": "on the free stack", "in use": "mapped: refcount ≥ 1",
+          "idle": "cached, refcount 0"}
 
 #: (from, to, the call that makes the move).
 MOVES = [
