@@ -133,8 +133,7 @@ class KVCacheManager:
 
     def page_table(self, seq_id) -> PageTable:
         """A copy of the sequence's page table."""
-        t = self._table(seq_id)
-        return PageTable(self.block_size, t.blocks, t.num_tokens)
+        return PageTable(self.block_size, self._table(seq_id).blocks, self.num_tokens(seq_id))
 
     def slot(self, seq_id, token: int) -> int:
         """Slot of token position ``token`` of ``seq_id``."""
@@ -250,20 +249,23 @@ class KVCacheManager:
         self.allocator.free_n(self._table(seq_id).blocks)
         del self._tables[seq_id]
 
+    def truncate(self, seq_id, n: int) -> None:
+        """Keep the first ``n`` tokens (a rewind): the blocks wholly past them lose this owner,
+        the last first; a kept shared block stays shared, and is copied at its next write."""
+        self.allocator.free_n(self._table(seq_id).truncate(n))
+
     # ------------------------------------------------------------------ accounting
     def stats(self) -> CacheStats:
-        alloc, bs = self.allocator, self.block_size
-        refs = alloc.refcounts()
-        fill = {}                                  # block -> tokens it holds
+        alloc, bs, refs = self.allocator, self.block_size, self.allocator.refcounts()
+        fill = {}                                  # block -> the most tokens a sharer has in it
         for t in self._tables.values():
             for j, b in enumerate(t.blocks):
-                fill[b] = min(bs, t.num_tokens - j * bs)
-        used, stored = alloc.num_used, sum(fill.values())
-        largest = run = 0
-        for b in range(alloc.num_blocks):          # the longest run of adjacent free blocks
-            run = run + 1 if refs[b] == 0 else 0
+                fill[b] = max(fill.get(b, 0), min(bs, t.num_tokens - j * bs))
+        used, free, stored = alloc.num_used, alloc.num_free, sum(fill.values())
+        saved, largest, run = int(refs.sum()) - used, 0, 0
+        for r in refs:                             # the longest run of adjacent free blocks
+            run = run + 1 if r == 0 else 0
             largest = max(largest, run)
-        free, saved = alloc.num_free, int(refs.sum()) - used
         return CacheStats(
             total_blocks=alloc.num_blocks, free_blocks=free, used_blocks=used,
             utilization=used / alloc.num_blocks, sequences=len(self),
@@ -294,6 +296,5 @@ class KVCacheManager:
                              f"page table(s) map it")
 
     def __repr__(self) -> str:
-        a = self.allocator
         return (f"KVCacheManager({len(self)} sequences, block_size={self.block_size}, "
-                f"{a.num_used}/{a.num_blocks} blocks used)")
+                f"{self.allocator.num_used}/{self.allocator.num_blocks} blocks used)")

@@ -72,6 +72,21 @@ class PageTable:
         self.num_tokens += 1
         return self.slot(self.num_tokens - 1)
 
+    def truncate(self, n: int) -> list[int]:
+        """Keep the first ``n`` tokens: unmap the blocks wholly past them and return those,
+        the last one first (the order to give them back in: a growth undone, as a stack
+        unwinds). A partly filled last block stays mapped, whatever it holds past ``n``:
+        the next token written there overwrites it."""
+        n = count(n, "the number of tokens to keep")
+        if n > self.num_tokens:
+            raise TokenIndexError(f"cannot keep {n} tokens: the sequence has "
+                                  f"{self.num_tokens}")
+        keep = -(-n // self.block_size)
+        cut = self.blocks[keep:][::-1]
+        del self.blocks[keep:]
+        self.num_tokens = n
+        return cut
+
     def locate(self, token: int) -> tuple[int, int]:
         """(physical block, offset in block) of token position ``token``."""
         if not is_int(token) or not 0 <= token < self.num_tokens:

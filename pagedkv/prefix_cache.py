@@ -44,7 +44,9 @@ hashes of the full blocks and the ids of the partly filled last one, until that 
 fills and is named. A sequence frees its blocks last one first, so that its tail is
 evicted before its head (a cached block is only found through the blocks before it).
 With ``caching=False`` it caches nothing: the same engine code runs with and without
-the cache.
+the cache. Slots whose ids come later (``reserve``, ``reserve_slots``, ``commit``) and
+rewinds (``truncate``) are :mod:`pagedkv.reserve`'s: a block is named only once every
+token in it is committed, and a rewind forgets a named block it leaves partly filled.
 """
 from __future__ import annotations
 
@@ -194,6 +196,13 @@ class CachedBlocks:
             return serial
         twin = self.lookup(hash_, tokens, parent)
         return None if twin is None else twin[1]
+
+    def forget(self, block: int) -> None:
+        """Un-name a block that a sequence still maps (a truncation cut it: it no longer
+        holds the tokens its hash names), so that no lookup finds it again."""
+        entry = self._entry.pop(block, None)
+        if entry is not None:
+            del self._block_of[entry.hash]
 
     def audit(self) -> None:
         self.allocator.audit()

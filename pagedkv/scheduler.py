@@ -216,6 +216,8 @@ class Scheduler:
         then chunks to running and to waiting requests). Returns the step's prefill work,
         :class:`Chunk` s in order, their memory already placed."""
         self.refused, mem = None, self.memory
+        if not (self.prefilling or self.waiting or self.swapped):
+            return []                              # nothing to share the budget with
         budget = float("inf") if self.token_budget is None else self.token_budget
         budget -= mem.sequences(self.decoding())
         budget = self._swap_in(budget)
@@ -242,6 +244,8 @@ class Scheduler:
 
     def _admit(self, budget, chunks: list) -> None:
         """Admit waiting requests, head first, while they fit; append their chunks."""
+        if not self.waiting:
+            return
         mem = self.memory
         promised = sum(mem.owed(r) for r in self.prefilling)
         live = mem.sequences(self.running)
@@ -288,6 +292,8 @@ class Scheduler:
     def _swap_in(self, budget):
         """Bring swapped requests back, the most recently preempted first, while they fit;
         returns the budget left."""
+        if not self.swapped:
+            return budget
         mem = self.memory
         promised = sum(mem.owed(r) for r in self.prefilling)
         live = mem.sequences(self.running)
@@ -311,12 +317,13 @@ class Scheduler:
         return budget
 
     # ------------------------------------------------------------------ phase 2
-    def decode(self) -> list:
+    def decode(self, who=None) -> list:
         """Phase 2: one more token for every sequence of every running request that
-        decodes, preempting while the memory runs out. Returns those requests (in
-        admission order), their memory grown."""
+        decodes (``who()`` names them; by default :meth:`decoding`), preempting while the
+        memory runs out. Returns those requests (in admission order), their memory grown."""
+        who = who or self.decoding
         while True:
-            reqs = self.decoding()
+            reqs = who()
             if not reqs:
                 return reqs
             rows = self.memory.grow(reqs)

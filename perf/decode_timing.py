@@ -1,4 +1,4 @@
-"""What perf/fold_check.py, perf/pdl_check.py and perf/merge_check.py share: SmolLM2-135M's
+"""What perf/fold_check.py, perf/pdl_check.py and perf/rows_check.py share: SmolLM2-135M's
 shapes, a decode batch of ``b`` rows, and the timing of one runner's decode step (replayed
 from its bucket's graph on a GPU)."""
 from __future__ import annotations

@@ -19,8 +19,6 @@ fixed seed), it first checks, then times:
 * ``engine_call`` and ``greedy_call``: the engine's whole call by wall clock (the parameters
   packed on the host, uploaded, the kernel, the tokens downloaded), beside greedy's argmax
   and download;
-* ``engine_host_sampler``: one call per request of the host sampler ``sample`` on its row of
-  device logits (what the engine did on a GPU before the batch sampler), per step.
 
 On a GPU the kernels are timed with CUDA events (``pagedkv.bench.kernels.time_fn``, medians);
 the per-request path, which waits for the device, by wall clock. On a CPU (``--quick`` or no
@@ -47,7 +45,6 @@ from pagedkv import backend  # noqa: E402
 from pagedkv.kernels.fused import argmax_rows  # noqa: E402
 from pagedkv.kernels.sampling import (kept_tokens, pack_rows, reference_rows,  # noqa: E402
                                       sample_packed, sample_rows)
-from pagedkv.model.sampling import sample as host_sample  # noqa: E402
 
 VOCAB = 49_152
 T, TOP_P = 0.7, 0.9
@@ -124,13 +121,6 @@ def run_batch(rows, vocab, reps, xp, gpu):
     out["greedy_call_ms"] = wall(lambda: backend.to_numpy(
         argmax_rows(logits, out=greedy_out)), max(3, reps), sync)
 
-    u = np.random.default_rng(7).random(rows)
-
-    def engine_host_sampler():                # one host-sampler call per request
-        for i in range(rows):
-            host_sample(logits[i:i + 1], T, TOP_P, u[i:i + 1])
-
-    out["engine_host_sampler_step_ms"] = wall(engine_host_sampler, max(2, reps // 10), sync)
     return out
 
 

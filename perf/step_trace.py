@@ -248,14 +248,17 @@ def engine_steps(model, prompt, batches, steps, repeat, max_context) -> dict:
 
 
 def _batch_of(engine):
-    """Step ``engine`` once and return the Batch its runner decoded."""
-    seen, decode = [], engine.runner.decode
-    engine.runner.decode = lambda batch: (seen.append(batch), decode(batch))[1]
+    """Step ``engine`` once and return the Batch its runner decoded (a row whose input token
+    the device gave, from the step before, takes token 1 instead: the replays only time)."""
+    seen, decode = [], engine.runner._decode_pass
+    engine.runner._decode_pass = lambda batch, follow: (seen.append(batch),
+                                                        decode(batch, follow))[1]
     try:
         engine.step()
     finally:
-        del engine.runner.decode
-    return seen[-1]
+        del engine.runner._decode_pass
+    batch = seen[-1]
+    return batch._replace(tokens=np.where(batch.tokens < 0, 1, batch.tokens).astype(np.int32))
 
 
 def runner_only(model, prompt, batches, max_context, n=20, rounds=3) -> dict:

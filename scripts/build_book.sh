@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 
 STAMP=_build/.book-built
-SOURCES=(_config.yml _toc.yml references.bib book pagedkv solutions requirements.txt pyproject.toml)
+SOURCES=(_config.yml _toc.yml _static references.bib book pagedkv solutions requirements.txt
+         pyproject.toml perf/results)
 
 if [ "${1:-}" = "--if-stale" ] && [ -e "$STAMP" ] && [ -e _build/html/index.html ]; then
     changed=$(find "${SOURCES[@]}" -newer "$STAMP" -type f \
@@ -25,6 +26,8 @@ fi
 # A clean build: forced execution re-runs only the documents Sphinx re-reads, and a
 # chapter whose own file did not change still has to run against the current package.
 rm -rf _build/html _build/.doctrees _build/jupyter_execute "$STAMP"
+# the intro's list of committed results, written from perf/results/ and the chapters
+python scripts/provenance.py
 start=$(date +%s)
 jupyter-book build . -W -n --keep-going
 echo "build: done in $(( $(date +%s) - start )) s"

@@ -27,15 +27,22 @@ if [ -z "${PAGEDKV_GGUF:-}" ] && [ -n "${MODEL_PARTS:-}" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import pagedkv.backend as b; print(b.describe())"
+header() {  # "# key: value" lines at the top of a log
+  echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "# gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+    | head -1)"
+  echo "# backend: $(python3 -c 'import pagedkv.backend as b; print(b.describe())')"
+  echo "# commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+}
 parallel=()
 alone=tests/test_allocator.py::test_close_returns_the_memory
 if [ -n "${WORKERS:-}" ]; then parallel=(-n "$WORKERS" --dist loadfile); fi
 status=0
 case " $steps " in *" tests "*)
-  timeout 400 python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@]}" tests \
+  { header; timeout 400 python3 -m pytest -q -rs -p no:cacheprovider "${parallel[@]}" tests \
     --ignore=tests/test_book_browser.py --ignore=tests/test_jupyterlab.py \
     --ignore=tests/test_serve_browser.py --ignore=tests/test_serve_install.py \
-    ${WORKERS:+--deselect $alone} --durations=8 2>&1 | tee "$out/pytest.log" | tail -25 \
+    ${WORKERS:+--deselect $alone} --durations=8; } 2>&1 | tee "$out/pytest.log" | tail -25 \
     || status=1
   if [ -n "${WORKERS:-}" ]; then
     timeout 60 python3 -m pytest -q -p no:cacheprovider "$alone" 2>&1 \
@@ -43,9 +50,12 @@ case " $steps " in *" tests "*)
   fi ;;
 esac
 case " $steps " in *" nbval "*)
-  timeout 400 python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" --nbval-lax \
-    --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg book/ --durations=14 \
-    2>&1 | tee "$out/nbval.log" | tail -25 || status=1 ;;
+  # The log starts with the lines pagedkv.provenance reads (when, which GPU, which backend)
+  # and lists every cell's outcome (-rfEp), so the status page can say what the run covered.
+  { header
+    timeout 400 python3 -m pytest -q -rfEp -p no:cacheprovider "${parallel[@]}" --nbval-lax \
+      --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg book/ --durations=14
+  } 2>&1 | tee "$out/nbval.log" | tail -25 || status=1 ;;
 esac
 case " $steps " in *" model "*)
   timeout 200 python3 -m pagedkv.bench.model --json "$out/model-h200.json" 2>&1 \

@@ -34,6 +34,15 @@ FIRST_USES = [   # (chapter file, the words in the prose, the glossary term)
     ("12_fast_decode", "CUDA graph", "CUDA graph"),
     ("12_fast_decode", "bucket", "bucket"),
     ("12_fast_decode", "padding row", "padding row"),
+    ("12_fast_decode", "cuBLAS", "cuBLAS"),
+    ("12_fast_decode", "CUDA stream", "CUDA stream"),
+    ("12_fast_decode", "persistent kernel", "persistent kernel"),
+    ("12_fast_decode", "Programmatic dependent launch", "PDL"),
+    ("12_fast_decode", "L2", "L2"),
+    ("12_fast_decode", "GGUF", "GGUF"),
+    ("12_fast_decode", "Q4_1", "Q4_1"),
+    ("12_fast_decode", "roofline", "roofline"),
+    ("10_real_model", "GGUF", "GGUF"),
     ("13_scheduling", "token budget", "token budget"),
     ("13_scheduling", "chunks", "chunked prefill"),
     ("14_two_gpus", "Disaggregated serving", "disaggregated prefill"),
@@ -63,7 +72,8 @@ def link(cells: list, words: str, term: str) -> bool:
         if cell["cell_type"] != "markdown":
             continue
         text = "".join(cell["source"])
-        if f"<{term}>`" in text or f"{{term}}`{term}`" in text:
+        low = text.lower()                    # {term}`Tensor parallelism` links it too
+        if f"<{term.lower()}>`" in low or f"{{term}}`{term.lower()}`" in low:
             return False
         lines = text.split("\n")
         for n, line in enumerate(lines):

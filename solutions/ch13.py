@@ -83,24 +83,19 @@ class PrefillFirst(Scheduler):
     def decoding(self) -> list:
         return [] if self._sharing else super().decoding()
 
-    def prefill(self):
+    def prefill(self) -> list:
         self._sharing = True     # the decodes are not charged ...
         try:
-            schedule = super().prefill()
+            self._chunks = super().prefill()
         finally:
             self._sharing = False
-        self._chunks = schedule.chunks
-        return schedule
+        return self._chunks
 
-    def decode(self) -> list:
+    def decode(self, who=None) -> list:
         if not self._chunks:     # nothing to prefill: everyone decodes
-            return super().decode()
-        first = [c.req for c in self._chunks if c.last and c.req in self.running]
-        while first and not self.memory.grow(first):      # ... nor run
-            self._preempt(self.victim(self.running))
-            first = [r for r in first if r in self.running]
-        self.schedule.decodes = first
-        return first
+            return super().decode(who)
+        return super().decode(   # ... nor run, but those whose prefill ends now
+            lambda: [c.req for c in self._chunks if c.last and c.req in self.running])
 
 
 class _Clock(sim.Observer):
@@ -306,17 +301,16 @@ def _tiles_unmasked(q, cache, table, start, *, scale=None, q_tile=16, kv_tile=16
 class _HeldButCharged(PrefillFirst):
     """Decodes held back in a prefill step, but their tokens still taken off its budget."""
 
-    def prefill(self):
-        schedule = Scheduler.prefill(self)
-        self._chunks = schedule.chunks
-        return schedule
+    def prefill(self) -> list:
+        self._chunks = Scheduler.prefill(self)
+        return self._chunks
 
 
 class _ChargedNothing(PrefillFirst):
     """Decodes not charged, but run in the prefill step all the same."""
 
-    def decode(self):
-        return Scheduler.decode(self)
+    def decode(self, who=None):
+        return Scheduler.decode(self, who)
 
 
 WRONG = {

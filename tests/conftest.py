@@ -47,6 +47,14 @@ def browser_type_launch_args(browser_type_launch_args):
     }
 
 
+@pytest.fixture(scope="module")
+def tiny(request):
+    """The tiny random Llama of ``tests/_tiny.py`` on NumPy, its weights drawn from the test
+    module's ``SEED``."""
+    from _tiny import tiny_llama
+    return tiny_llama(request.module.SEED)
+
+
 def pytest_configure(config):
     # pytest-playwright's own base_url fixture triggers this deprecation notice in every
     # run; it is about the plugin's code, not ours.

@@ -9,16 +9,14 @@ running request gains a token at every step while the prompt is prefilled a chun
 import numpy as np
 import pytest
 
-from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
 from pagedkv.model.requests import SamplingParams
+from _tiny import TINY
 
 single_thread_blas()
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 20261202
 STOP = (0,)
 BS = 8
@@ -37,10 +35,6 @@ CONFIGS = {
     "swap": (False, "swap", 64, "tight"),
 }
 
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, SEED), xp=np)
 
 
 def _prompts():

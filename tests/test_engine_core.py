@@ -11,28 +11,21 @@ import pytest
 
 from pagedkv.config import EngineConfig
 from pagedkv.errors import ConfigError
-from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.requests import SamplingParams
 from pagedkv.model.runner import ModelRunner
 from pagedkv.scheduler import Plan
+from _tiny import TINY
 
 single_thread_blas()
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 4242
 BS = 8
 
 #: Everything an engine keeps on itself: its parts, its settings, and what lasts.
 ENGINE_FIELDS = {"config", "model", "memory", "runner", "scheduler", "depth", "flight",
                  "finished", "history", "on_step"}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, SEED), xp=np)
 
 
 def _prompts(n=5):

@@ -6,20 +6,12 @@ import pytest
 
 import pagedkv.prefix_cache as prefix_cache
 from pagedkv.errors import ConfigError
-from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.requests import SamplingParams
 
+SEED = 4321
 single_thread_blas()
-
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, 4321), xp=np)
 
 
 def test_history_is_read_from_counters_and_equals_stats(tiny, monkeypatch):

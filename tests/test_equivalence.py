@@ -163,7 +163,7 @@ def random_manager_call(twins, rng, names, last_fork):
     t, bs = twins.t, twins.t.block_size
     live = t.seq_ids
     pick = lambda: rng.choice(live) if live and rng.random() < 0.95 else "nobody"
-    op = rng.randrange(13)
+    op = rng.randrange(15)
     if op <= 1 or not live:
         twins("add", next(names), rng.choice([0, 1, bs - 1, bs, bs + 1, 3 * bs, 9 * bs]))
     elif op == 2:
@@ -193,11 +193,22 @@ def random_manager_call(twins, rng, names, last_fork):
         twins("free", pick())
     elif op == 9:
         twins(rng.choice(["blocks_needed", "can_append"]), pick(), rng.randint(1, 2 * bs))
+    elif op >= 13:                             # a rewind, often of a fork, to any length
+        s = rng.choice(last_fork) if last_fork and rng.random() < 0.5 else pick()
+        length = t.num_tokens(s) if s in t else 0
+        n = rng.choice([0, length, max(length - 1, 0), rng.randint(0, length),
+                        rng.randint(0, length), length + 1, -1])
+        shared = s in t and 0 <= n <= length and n % bs and \
+            t.allocator.refcount(t.block_table(s)[-(-n // bs) - 1]) > 1
+        if twins("truncate", s, n)[0] == "ok":
+            MET["truncate"] += 1
+            MET["truncate into a shared block"] += bool(shared)
     else:                                      # misuse: each call must raise the same error
         s = pick()
         call = rng.choice([("add", s), ("step", [s, s]), ("step", [s, "nobody"]),
                            ("fork", s, s), ("fork", s, "x", "x"), ("fork", s),
-                           ("append", s, 0), ("add", [1], 1), ("free", "nobody")])
+                           ("append", s, 0), ("add", [1], 1), ("free", "nobody"),
+                           ("truncate", "nobody", 0), ("truncate", s, 1.5)])
         twins(*call)
     return None
 
@@ -237,7 +248,8 @@ def test_every_situation_was_met():
                  "one block copied by several rows of a step", "fork of a partly filled block",
                  "error OutOfBlocks", "error InvalidBlock", "error DoubleFree",
                  "error DuplicateSequence", "error SequenceExists", "error UnknownSequence",
-                 "error AllocatorClosed", "error ConfigError"):
+                 "error AllocatorClosed", "error ConfigError", "error TokenIndexError",
+                 "truncate", "truncate into a shared block"):
         assert MET[what] > 0, f"never met: {what} ({dict(MET)})"
 
 

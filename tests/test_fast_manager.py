@@ -44,6 +44,11 @@ def test_misuse_raises_one_typed_error_and_changes_nothing(impl):
             (lambda: m.fork("a", "x", "x"), DuplicateSequence),
             (lambda: m.fork("a", "x", ["unhashable"]), ConfigError),
             (lambda: m.free("nobody"), UnknownSequence),
+            (lambda: m.truncate("nobody", 0), UnknownSequence),
+            (lambda: m.truncate("a", 7), TokenIndexError),
+            (lambda: m.truncate("a", -1), ConfigError),
+            (lambda: m.truncate("a", True), ConfigError),
+            (lambda: m.truncate("a", 2.0), ConfigError),
             (lambda: m.blocks_needed("a", 0), ConfigError),
             (lambda: m.slot("a", 6), TokenIndexError),
             (lambda: m.slot("a", -1), TokenIndexError)]:

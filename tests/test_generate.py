@@ -9,25 +9,18 @@ import pytest
 
 from pagedkv.errors import ConfigError
 from pagedkv.generate import main
-from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
 from pagedkv.model.requests import SamplingParams, Sequence
 from pagedkv.model.sampling import beam_select, best_beams
+from _tiny import TINY
 
 single_thread_blas()
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 4321
 STOP = (0,)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, SEED), xp=np)
 
 
 def _prompts(seed, lengths=(5, 17, 1, 33)):

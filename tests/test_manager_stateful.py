@@ -4,10 +4,11 @@ model, with the invariant audit after every step.
 The model knows nothing of block ids. Each sequence is a list of token values plus a list of
 *abstract* blocks (fresh Python objects): a fork copies the child's list, so the two share the
 objects; a write into a partly filled block that another sequence also holds replaces it with a
-fresh object (copy-on-write). From that alone the model predicts how many blocks are in use and
-how many each operation needs, and so exactly when the manager must run out of blocks. The
-manager's plans are executed on an integer "pool" (one value per slot), and every sequence read
-back through its page table must equal the model's tokens.
+fresh object (copy-on-write); a truncation keeps the first tokens and the blocks that hold
+them, so a kept shared block stays shared in the model too. From that alone the model predicts
+how many blocks are in use and how many each operation needs, and so exactly when the manager
+must run out of blocks. The manager's plans are executed on an integer "pool" (one value per
+slot), and every sequence read back through its page table must equal the model's tokens.
 
 The same machine runs against both implementations, the teaching core (pagedkv.manager) and
 the fast path (pagedkv.fast), so each is checked against the model on its own. Hypothesis runs
@@ -28,7 +29,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invari
 
 from pagedkv import allocator, fast, manager
 from pagedkv.errors import (ConfigError, DuplicateSequence, OutOfBlocks, SequenceExists,
-                            UnknownSequence)
+                            TokenIndexError, UnknownSequence)
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
 STEPS_PER_RUN, RUNS = 200, 305      # per implementation: about 54,000 checked states each
@@ -39,7 +40,8 @@ class Block:
     __slots__ = ()
 
 
-COUNTS = {impl: {"steps": 0, "out_of_blocks": 0, "copies": 0} for impl in ("teaching", "fast")}
+COUNTS = {impl: {"steps": 0, "out_of_blocks": 0, "copies": 0, "truncates": 0,
+                 "into a shared block": 0} for impl in ("teaching", "fast")}
 # The fast manager's runs take turns: its default, every step on the NumPy path, every step on
 # the Python loop, so that both its step paths meet every situation the rules produce.
 SMALL_BATCH = itertools.cycle([fast.KVCacheManager.small_batch, 0, 10**9])
@@ -202,6 +204,21 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.free(s)
         del self.tokens[s], self.blocks[s]
 
+    @precondition(lambda self: self.tokens)
+    @rule(s=seqs, data=st.data())
+    def truncate(self, s, data):
+        """A rewind to any length from 0 to the whole sequence; the blocks past it go, a
+        kept shared block stays shared (its next write copies it, as ``need`` predicts)."""
+        if s not in self.tokens:
+            return
+        n = data.draw(st.integers(0, len(self.tokens[s])))
+        self.m.truncate(s, n)
+        keep = -(-n // BLOCK_SIZE)
+        self.tokens[s], self.blocks[s] = self.tokens[s][:n], self.blocks[s][:keep]
+        self.counts["truncates"] += 1
+        if n % BLOCK_SIZE and self.holders(self.blocks[s][-1]) > 1:
+            self.counts["into a shared block"] += 1
+
     @rule(s=seqs)
     def misuse(self, s):
         if s in self.tokens:
@@ -209,7 +226,10 @@ class ManagerMachine(RuleBasedStateMachine):
                               (lambda: self.m.fork(s, s), SequenceExists),
                               (lambda: self.m.fork(s, "c", "c"), DuplicateSequence),
                               (lambda: self.m.step([s, s]), DuplicateSequence),
-                              (lambda: self.m.append(s, 0), ConfigError)):
+                              (lambda: self.m.append(s, 0), ConfigError),
+                              (lambda: self.m.truncate(s, -1), ConfigError),
+                              (lambda: self.m.truncate(s, len(self.tokens[s]) + 1),
+                               TokenIndexError)):
                 try:
                     call()
                 except err:
@@ -218,7 +238,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     raise AssertionError(f"expected {err.__name__}")
         else:
             for call in (lambda: self.m.append(s), lambda: self.m.free(s),
-                         lambda: self.m.fork(s, -1)):
+                         lambda: self.m.fork(s, -1), lambda: self.m.truncate(s, 0)):
                 try:
                     call()
                 except UnknownSequence:
@@ -255,6 +275,8 @@ def test_manager_against_model(machine):
         max_examples=RUNS, stateful_step_count=STEPS_PER_RUN, derandomize=True, database=None,
         deadline=None, print_blob=True, suppress_health_check=list(HealthCheck)))
     print(f"checked {counts['steps']} states; {counts['out_of_blocks']} out-of-blocks "
-          f"outcomes, {counts['copies']} copy-on-write copies")
+          f"outcomes, {counts['copies']} copy-on-write copies, {counts['truncates']} "
+          f"truncations ({counts['into a shared block']} into a shared block)")
     assert counts["steps"] >= 50_000              # 100,000 or more for the two together
-    assert counts["out_of_blocks"] > 0 and counts["copies"] > 0
+    for key in ("out_of_blocks", "copies", "truncates", "into a shared block"):
+        assert counts[key] > 0, key

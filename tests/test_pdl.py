@@ -14,13 +14,12 @@ import pytest
 from pagedkv import backend
 from pagedkv.errors import ConfigError
 from pagedkv.kernels import pdl
-from pagedkv.model import Llama, LlamaConfig, random_weights
+from pagedkv.model import Llama, random_weights
 from pagedkv.model.engine import Engine
 from pagedkv.model.requests import SamplingParams
+from _tiny import TINY
 
 KERNELS = pathlib.Path(pdl.__file__).parent
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 2468
 gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no GPU: {backend.reason}")
 

@@ -11,16 +11,15 @@ import pytest
 
 import pagedkv.model.runner as runner_module
 from pagedkv.errors import ConfigError
-from pagedkv.model import Llama, LlamaConfig, random_weights
+from pagedkv.model import Llama
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
 from pagedkv.model.requests import SamplingParams
+from _tiny import TINY
 
 single_thread_blas()
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 8080
 STOP = (0,)
 BS = 8
@@ -41,11 +40,6 @@ CONFIGS = {
     "cache+swap": (True, "swap", 64, "tight"),
     "swap, host full": (False, "swap", 2, "tight"),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, SEED), xp=np)
 
 
 def _prompts(seed=SEED, shared=27, tails=(3, 9, 14, 20, 6)):

@@ -71,6 +71,7 @@ def same_state(t, f, where):
         assert t.block_table(s).tolist() == f.block_table(s).tolist(), f"{where}: {s}"
         assert t._tail[s] == f._tail[s], f"{where}: {s}"
         assert (t._hashes[s], t._serials[s]) == (f._hashes[s], f._serials[s]), f"{where}: {s}"
+    assert t.pending() == f.pending(), where
     assert t.stats() == f.stats(), where
     assert ct.num_shared == cf.num_shared == t.stats().shared_blocks, where
     t.audit()
@@ -80,6 +81,38 @@ def same_state(t, f, where):
 def prompt(rng, bs):
     head = list(rng.choice(BEGINNINGS))
     return head + [rng.randrange(4) for _ in range(rng.randrange(0 if head else 1, 3 * bs))]
+
+
+def speculate(both, rng, t, live, ids):
+    """One call of a speculating engine, or a rewind: slots reserved one or several at a
+    time, their ids committed oldest first, truncations that drop pending slots or cut
+    committed tokens (with the ids when the cut needs them, and now and then without, or
+    wrong, or to lengths that are refused)."""
+    s, r = rng.choice(live), rng.random()
+    pending = t.pending().get(s, 0)
+    if r < 0.3:
+        both("reserve_slots", s, rng.choice([1, 2, 3, 5, 0]))
+    elif r < 0.45:
+        both("reserve", rng.sample(live, rng.randint(1, len(live))))
+    elif r < 0.7 and pending:
+        k = rng.randint(1, pending + (rng.random() < 0.1))      # now and then one too many
+        new = [rng.randrange(4) for _ in range(k)]
+        if both("commit", [s] * k, new)[0] == "ok":
+            ids[s] += new
+            MET["commit"] += 1
+    else:
+        known, length = len(ids[s]), t.num_tokens(s)
+        n = rng.choice([known, length, rng.randint(0, length), rng.randint(1, length),
+                        length + 1, max(known - 1, 0)])
+        give = rng.choice(["ids", "ids", "none", "wrong"])
+        tokens = None if give == "none" else ids[s][:n] + [0] * max(n - known, 0)
+        if give == "wrong" and tokens:
+            tokens[rng.randrange(len(tokens))] += 1
+        if both("truncate", s, n, tokens)[0] == "ok":
+            del ids[s][n:]
+            MET["truncate"] += 1
+            MET["truncate of committed tokens"] += n < known
+            MET["truncate of pending slots"] += n > known or (n == known < length)
 
 
 def run_stream(seed, steps=400):
@@ -103,37 +136,51 @@ def run_stream(seed, steps=400):
         same_state(t, f, where)
         return a
 
+    ids = {}                           # live sequence -> its committed token ids
     for _ in range(steps):
+        settled = [s for s in live if not t.pending().get(s)]   # nothing pending
         r = rng.random()
-        if r < 0.3 or not live:
+        if live and r < 0.2:
+            speculate(both, rng, t, live, ids)
+        elif r < 0.3 or not settled:
             s = next(names)
             p = prompt(rng, bs)
             as_array = rng.random() < 0.3
             res = both("add", s, np.array(p, dtype=np.int64) if as_array else p)
             if res[0] == "ok":
                 live.append(s)
+                ids[s] = list(p)
                 MET["hit"] += res[1].cached_tokens > 0
-        elif r < 0.5:
-            batch = rng.sample(live, rng.randint(1, len(live)))
-            both("step", batch, [rng.randrange(4) for _ in batch])
+        elif r < 0.45:
+            batch = rng.sample(settled, rng.randint(1, len(settled)))
+            new = [rng.randrange(4) for _ in batch]
+            if both("step", batch, new)[0] == "ok":
+                for s, tok in zip(batch, new):
+                    ids[s].append(tok)
             MET["step"] += 1
-        elif r < 0.6:
-            both("append", rng.choice(live), [rng.randrange(4) for _ in range(rng.randint(1, 5))])
-        elif r < 0.7:
+        elif r < 0.55:
+            s, new = rng.choice(settled), [rng.randrange(4) for _ in range(rng.randint(1, 5))]
+            if both("append", s, new)[0] == "ok":
+                ids[s] += new
+        elif r < 0.65:
             children = [next(names) for _ in range(rng.randint(1, 2))]
-            if both("fork", rng.choice(live), *children)[0] == "ok":
+            parent = rng.choice(settled)
+            if both("fork", parent, *children)[0] == "ok":
                 live += children
+                ids.update((c, list(ids[parent])) for c in children)
                 MET["fork"] += 1
-        elif r < 0.85:
+        elif r < 0.8:
             s = live.pop(rng.randrange(len(live)))
             both("free", s)
-        elif r < 0.9:                  # several at once: a request's samples coming back
+            del ids[s]
+        elif r < 0.85:                 # several at once: a request's samples coming back
             head = prompt(rng, bs)
             group = [(next(names), head + [rng.randrange(4) for _ in range(rng.randrange(
                 2 * bs))]) for _ in range(rng.randint(1, 3))]
             both("blocks_to_add", *(p for _, p in group))
             if both("add_all", group)[0] == "ok":
                 live += [s for s, _ in group]
+                ids.update((s, list(p)) for s, p in group)
                 MET["add_all"] += 1
         else:
             p = prompt(rng, bs)
@@ -153,7 +200,8 @@ def test_prefix_managers_agree_on_random_calls(seed):
 def test_every_situation_was_met():
     """The streams above met every situation they are there for."""
     for key in ("hit", "step", "fork", "add_all", "evictions", "error OutOfBlocks",
-                "error ConfigError"):
+                "error ConfigError", "error TokenIndexError", "commit", "truncate",
+                "truncate of committed tokens", "truncate of pending slots"):
         assert MET[key] > 0, (key, dict(MET))
 
 

@@ -35,7 +35,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invari
 
 from pagedkv import fast
 from pagedkv.allocator import BlockAllocator
-from pagedkv.errors import OutOfBlocks
+from pagedkv.errors import ConfigError, OutOfBlocks
 from pagedkv.fast.prefix import PrefixCachingManager as FastPrefixCachingManager
 from pagedkv.prefix_cache import PrefixCachingManager
 from pagedkv.swap import HostPool, Swapper, copy_to_device, copy_to_host
@@ -43,7 +43,9 @@ from pagedkv.swap import HostPool, Swapper, copy_to_device, copy_to_host
 NUM_BLOCKS, BLOCK_SIZE, HOST_BLOCKS = 14, 2, 8
 STEPS_PER_RUN, RUNS = 60, 300      # per implementation: about 13,000 checked states each
 FAMILIES = [(), (1, 2, 3, 4, 5), (1, 2, 3, 9), (7, 7)]   # shared beginnings of prompts
-KEYS = ("steps", "hits", "evictions", "out_of_blocks", "swaps", "recomputes")
+KEYS = ("steps", "hits", "evictions", "out_of_blocks", "swaps", "recomputes", "reserved",
+        "committed", "truncates", "truncates refused", "named blocks cut",
+        "pending slots dropped")
 COUNTS = dict.fromkeys(KEYS, 0)
 
 
@@ -88,6 +90,7 @@ class PrefixMachine(RuleBasedStateMachine):
         self.idle: list = []             # cached blocks nobody holds, least recent first
         self.stack = NUM_BLOCKS          # blocks on the allocator's free stack
         self.hits = self.evictions = 0
+        self.pending: dict = {}          # live sequence -> its reserved slots without ids
         self.preempted: dict = {}        # recompute: sequence -> its tokens
         self.parked: dict = {}           # swap: sequence -> (tokens, host block objects)
         self.host_free = HOST_BLOCKS
@@ -163,7 +166,47 @@ class PrefixMachine(RuleBasedStateMachine):
         for b in reversed(self.blocks.pop(s)):
             self.release(b)
         del self.chain[s]
+        self.pending.pop(s, None)               # pending slots go with their blocks
         return self.tokens.pop(s)
+
+    def length(self, s):
+        """Tokens of K/V the sequence has: its ids, then its pending slots."""
+        return len(self.tokens[s]) + self.pending.get(s, 0)
+
+    def step_need(self, batch):
+        """(new blocks, copy-on-write copies) one more slot for each of ``batch`` takes: of
+        the sharers of a partly filled block in the batch, all but the last owner copy."""
+        grow, left, copies = 0, {}, 0
+        for s in batch:
+            if self.length(s) % BLOCK_SIZE == 0:
+                grow += 1
+                continue
+            last = self.blocks[s][-1]
+            h = left.get(id(last), last.owners)
+            if h > 1:
+                copies += 1
+                left[id(last)] = h - 1
+        return grow, copies
+
+    def step_blocks(self, batch):
+        """One more slot for each of ``batch``, in batch order (copies first)."""
+        for s in batch:
+            bl = self.blocks[s]
+            if self.length(s) % BLOCK_SIZE and bl[-1].owners > 1:
+                old, bl[-1] = bl[-1], self.fresh()
+                old.owners -= 1
+            if self.length(s) % BLOCK_SIZE == 0:
+                bl.append(self.fresh())
+
+    def settled(self):
+        """Live sequences without pending slots (the ones step, fork and swap take)."""
+        return sorted(s for s in self.tokens if not self.pending.get(s))
+
+    def snapshot(self, s):
+        m = self.m
+        return (m.cache.num_free, list(m.cache._idle), dict(m.cache._block_of),
+                m.block_table(s).tolist(), m.pending(), list(m._tail[s]),
+                list(m._hashes[s]), list(m._serials[s]))
 
     # ---------------------------------------------------------------- executing plans
     def learn(self, s):
@@ -212,22 +255,12 @@ class PrefixMachine(RuleBasedStateMachine):
         s = next(self.ids)
         return s if self.admit(s, list(family) + tail) else multiple()
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.settled())
     @rule(data=st.data())
     def step(self, data):
-        batch = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1,
-                                   unique=True))
+        batch = data.draw(st.lists(st.sampled_from(self.settled()), min_size=1, unique=True))
         new = [data.draw(st.integers(0, 3)) for _ in batch]
-        grow, left, copies = 0, {}, 0
-        for s in batch:
-            if len(self.tokens[s]) % BLOCK_SIZE == 0:
-                grow += 1
-                continue
-            last = self.blocks[s][-1]
-            h = left.get(id(last), last.owners)
-            if h > 1:
-                copies += 1
-                left[id(last)] = h - 1
+        grow, copies = self.step_need(batch)
         if grow + copies > self.free_now():
             try:
                 self.m.step(batch, new)
@@ -237,13 +270,7 @@ class PrefixMachine(RuleBasedStateMachine):
             raise AssertionError("expected OutOfBlocks")
         plan = self.m.step(batch, new)
         assert len(plan.copies) == copies
-        for s in batch:                       # the blocks, in batch order (copies first)
-            bl = self.blocks[s]
-            if len(self.tokens[s]) % BLOCK_SIZE and bl[-1].owners > 1:
-                old, bl[-1] = bl[-1], self.fresh()
-                old.owners -= 1
-            if len(self.tokens[s]) % BLOCK_SIZE == 0:
-                bl.append(self.fresh())
+        self.step_blocks(batch)
         for s, t in zip(batch, new):          # then each row caches what it filled
             self.tokens[s].append(t)
             if len(self.tokens[s]) % BLOCK_SIZE == 0:
@@ -257,7 +284,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(target=seqs, s=seqs)
     def fork(self, s):
-        if s not in self.tokens:
+        if s not in self.tokens or self.pending.get(s):
             return multiple()
         c = next(self.ids)
         self.m.fork(s, c)
@@ -291,10 +318,10 @@ class PrefixMachine(RuleBasedStateMachine):
         if self.admit(s, self.preempted[s]):
             del self.preempted[s]
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.settled())
     @rule(data=st.data())
     def swap_out(self, data):
-        group = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1,
+        group = data.draw(st.lists(st.sampled_from(self.settled()), min_size=1,
                                    max_size=3, unique=True))
         distinct = {id(b): b for s in group for b in self.blocks[s]}
         if len(distinct) > self.host_free:
@@ -344,6 +371,128 @@ class PrefixMachine(RuleBasedStateMachine):
         for s in group:
             self.learn(s)
 
+    # ---------------------------------------------------- reserve, commit and truncate
+    def execute_reserved(self, copies, slots):
+        """A reservation's copies, then its slots written with K/V of ids not known yet
+        (a guess's: -7 here); commit writes the true K/V of the ids it gives."""
+        for src, dst in copies.tolist():
+            self.pool[0, dst] = self.pool[0, src]
+        self.pool.reshape(-1)[np.asarray(slots)] = -7
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def reserve(self, data):
+        """One slot each, ids to come (the overlapped loop's step ahead)."""
+        batch = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1,
+                                   unique=True))
+        grow, copies = self.step_need(batch)
+        if grow + copies > self.free_now():
+            with pytest.raises(OutOfBlocks):
+                self.m.reserve(batch)
+            COUNTS["out_of_blocks"] += 1
+            return
+        plan = self.m.reserve(batch)
+        assert len(plan.copies) == copies
+        self.step_blocks(batch)
+        for s in batch:
+            self.pending[s] = self.pending.get(s, 0) + 1
+        self.execute_reserved(plan.copies, plan.slot_mapping)
+        for s in batch:
+            self.learn(s)
+        COUNTS["reserved"] += len(batch)
+
+    @precondition(lambda self: self.tokens)
+    @rule(s=seqs, k=st.integers(1, 5))
+    def reserve_slots(self, s, k):
+        """k slots for one sequence at once (a speculative row), ids to come."""
+        if s not in self.tokens:
+            return
+        length, bl = self.length(s), self.blocks[s]
+        copy = length % BLOCK_SIZE != 0 and bl[-1].owners > 1
+        need = -(-(length + k) // BLOCK_SIZE) - len(bl) + copy
+        if need > self.free_now():
+            with pytest.raises(OutOfBlocks):
+                self.m.reserve_slots(s, k)
+            COUNTS["out_of_blocks"] += 1
+            return
+        plan = self.m.reserve_slots(s, k)
+        assert len(plan.copies) == copy
+        if copy:
+            old, bl[-1] = bl[-1], self.fresh()
+            old.owners -= 1
+        while len(bl) * BLOCK_SIZE < length + k:
+            bl.append(self.fresh())
+        self.pending[s] = self.pending.get(s, 0) + k
+        self.execute_reserved(plan.copies, plan.slots)
+        self.learn(s)
+        COUNTS["reserved"] += k
+
+    @precondition(lambda self: any(self.pending.values()))
+    @rule(data=st.data())
+    def commit(self, data):
+        """The ids of some sequences' oldest pending slots (a sequence may come several
+        times: its slots in order); a block they fill is named now."""
+        waiting = sorted(s for s, p in self.pending.items() if p)
+        group = data.draw(st.lists(st.sampled_from(waiting), min_size=1, unique=True))
+        ids = [s for s in group for _ in range(data.draw(st.integers(1, self.pending[s])))]
+        new = [data.draw(st.integers(0, 3)) for _ in ids]
+        self.m.commit(ids, new)
+        for s, t in zip(ids, new):
+            self.pending[s] -= 1
+            if not self.pending[s]:
+                del self.pending[s]
+            self.tokens[s].append(t)
+            pos = len(self.tokens[s]) - 1
+            self.pool.reshape(-1)[self.m.slot(s, pos)] = kv_value(self.tokens[s], pos)
+            if len(self.tokens[s]) % BLOCK_SIZE == 0:
+                self.cache_full(s)
+        COUNTS["committed"] += len(ids)
+
+    @precondition(lambda self: self.tokens)
+    @rule(s=seqs, data=st.data())
+    def truncate(self, s, data):
+        """A rewind: pending slots only (the newest first), or, with none pending, any
+        committed tokens; refused, changing nothing, where it must be."""
+        if s not in self.tokens:
+            return
+        known, pending = len(self.tokens[s]), self.pending.get(s, 0)
+        low = known if pending and data.draw(st.integers(0, 9)) else 1
+        n = data.draw(st.integers(low - (low == 1 and data.draw(st.integers(0, 19)) == 0),
+                                  known + pending))   # now and then 0: refused here
+        start, held = n // BLOCK_SIZE * BLOCK_SIZE, known // BLOCK_SIZE * BLOCK_SIZE
+        deep = start < held and start < n         # into a block whose ids are only hashed
+        give = data.draw(st.sampled_from(["ids", "none", "wrong"]))
+        tokens = None if give == "none" else self.tokens[s][:n] + [0] * max(n - known, 0)
+        wrong = give == "wrong" and held < min(n, known)
+        if wrong:
+            tokens[held] += 1                     # disagrees with an id the manager holds
+        if n == 0 or (pending and n < known) or (deep and tokens is None) or wrong:
+            before = self.snapshot(s)
+            with pytest.raises(ConfigError):
+                self.m.truncate(s, n, tokens)
+            assert self.snapshot(s) == before
+            COUNTS["truncates refused"] += 1
+            return
+        self.m.truncate(s, n, tokens)
+        keep, bl = -(-n // BLOCK_SIZE), self.blocks[s]
+        if deep and bl[n // BLOCK_SIZE].entry is not None:   # cut: it names no more
+            del self.index[bl[n // BLOCK_SIZE].entry.key]
+            bl[n // BLOCK_SIZE].entry = None
+            COUNTS["named blocks cut"] += 1
+        self.blocks[s], cut = bl[:keep], bl[keep:]
+        if n < known:
+            self.tokens[s], self.chain[s] = self.tokens[s][:n], self.chain[s][:n // BLOCK_SIZE]
+        elif pending:
+            self.pending[s] = n - known
+            if not self.pending[s]:
+                del self.pending[s]
+            COUNTS["pending slots dropped"] += known + pending - n
+        for b in reversed(cut):
+            self.release(b)
+        self.learn(s)
+        self.clobber()
+        COUNTS["truncates"] += 1
+
     # ---------------------------------------------------------------- after every step
     @invariant()
     def agrees_with_the_model(self):
@@ -359,8 +508,10 @@ class PrefixMachine(RuleBasedStateMachine):
                                                           for e in self.index.values())
         assert self.host.num_free == self.host_free
         assert sorted(self.swapper.swapped) == sorted(self.parked)
+        assert m.pending() == self.pending
         for s, toks in self.tokens.items():     # every live sequence reads its own K/V
-            got = self.pool.reshape(-1)[m.slots(s)].tolist()
+            assert m.num_tokens(s) == self.length(s)
+            got = self.pool.reshape(-1)[m.slots(s)[:len(toks)]].tolist()
             assert got == [kv_value(toks, t) for t in range(len(toks))], f"{s} reads wrong"
         for key, e in self.index.items():       # and every cached block holds its prefix
             want = [kv_value(key, t) for t in range(len(key) - BLOCK_SIZE, len(key))]
@@ -388,7 +539,11 @@ def test_prefix_cache_against_model(machine):
         database=None, deadline=None, suppress_health_check=list(HealthCheck)))
     print(f"checked {COUNTS['steps']} states: {COUNTS['hits']} hits, {COUNTS['evictions']} "
           f"evictions, {COUNTS['swaps']} swap-outs, {COUNTS['recomputes']} recompute "
-          f"preemptions, {COUNTS['out_of_blocks']} out-of-blocks outcomes")
+          f"preemptions, {COUNTS['out_of_blocks']} out-of-blocks outcomes; "
+          f"{COUNTS['reserved']} slots reserved, {COUNTS['committed']} committed, "
+          f"{COUNTS['truncates']} truncations ({COUNTS['truncates refused']} refused, "
+          f"{COUNTS['named blocks cut']} named blocks cut, {COUNTS['pending slots dropped']} "
+          f"pending slots dropped)")
     assert COUNTS["steps"] >= 10_000
     for key in KEYS:
         assert COUNTS[key] > 0, key

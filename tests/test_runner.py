@@ -12,24 +12,18 @@ from pagedkv.errors import ConfigError
 from pagedkv.kernels import write_kv_ref
 from pagedkv.kernels.fused import argmax_rows, embed, rms_norm, rope_write_kv, silu_mul
 from pagedkv.kernels.gemm import gemm
-from pagedkv.model import Llama, LlamaConfig, PagedKV, random_weights
+from pagedkv.model import Llama, PagedKV, random_weights
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.llama import Batch
 from pagedkv.model.requests import SamplingParams
 from pagedkv.model.runner import FastRunner, buckets, graph_node_count
+from _tiny import TINY
 
 single_thread_blas()
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 2468
 gpu = pytest.mark.skipif(not backend.on_gpu, reason=f"no GPU: {backend.reason}")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Llama(TINY, random_weights(TINY, SEED), xp=np)
 
 
 # ------------------------------------------------------------------ references vs the model

@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 
 from pagedkv import backend
-from pagedkv.model import Llama, LlamaConfig, random_weights
+from pagedkv.model import Llama, random_weights
 from pagedkv.model.engine import Engine
 from pagedkv.model.requests import SamplingParams
 from pagedkv.model.timeline import Timeline, attach, busy_seconds
+from _tiny import TINY
 
-TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
-                   ffn=128, rope_base=10000.0, context=512)
 SEED = 1357
 
 

@@ -15,9 +15,10 @@ and 256 on a GPU:
   device-to-device copy bandwidth);
 * **where the plain step's time goes** (``breakdown_ms``): the step run with every matrix
   multiply (``Llama.linear``), every attention call (``write_kv``, copy-on-write copies and the
-  paged attention), the bookkeeping (``manager.step()`` and the plan) and the choice of the next
-  token timed separately, the device synchronised around each (so each part includes its GPU
-  work, and the parts sum to more than an unsynchronised step); "other" is the rest;
+  paged attention), the bookkeeping (``manager.reserve()``, ``commit()`` and the plan) and the
+  choice of the next token timed separately, the device synchronised around each (so each part
+  includes its GPU work, and the parts sum to more than an unsynchronised step); "other" is the
+  rest;
 * when ``transformers`` (with ``torch`` and ``accelerate``, which its GGUF loading needs) is
   importable, in the same process on the same prompt: the model loaded from the same GGUF file,
   ``generate()`` (``transformers``: the time of ``max(steps, 16)`` new tokens minus the time of
@@ -47,10 +48,9 @@ from .. import backend
 from ..checks import cdiv
 from ..kernels.pdl import programmatic_available
 from ..model import llama as llama_mod
-from ..model import sampling as sampling_mod
 from ..model.blas import single_thread_blas
 from ..model.engine import Engine
-from ..model.requests import SamplingParams
+from ..config import SamplingParams
 from ..model.runner import PDL_AUTO_ROWS
 
 QUESTION = "What is the capital of France?"
@@ -130,8 +130,9 @@ def breakdown(model, prompt, batch: int, steps: int) -> dict:
     timer.wrap(engine.runner.kv, "write", "attention")
     timer.wrap(engine.runner.kv, "copy", "attention")
     timer.wrap(llama_mod, "attend", "attention")
-    timer.wrap(engine.memory.manager, "step", "bookkeeping")
-    timer.wrap(sampling_mod, "sample", "sampling")
+    timer.wrap(engine.memory.manager, "reserve", "bookkeeping")
+    timer.wrap(engine.memory.manager, "commit", "bookkeeping")
+    timer.wrap(engine.runner, "_draw", "sampling")
     try:
         t = _now()
         for _ in range(steps - 1):

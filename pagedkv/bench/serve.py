@@ -154,7 +154,6 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
     _warm_up(engine, model.config.vocab_size)
     engine.memory.counts.preemptions = 0
     engine.on_step = on_step
-    spent = _time_parts(engine)
     timeline = attach(engine)
     order = sorted(range(len(requests)), key=lambda i: requests[i][0])
     pending, live = deque(order), {}

@@ -15,10 +15,11 @@ Invariants, checked by :meth:`KVCacheManager.audit` (with the allocator's own):
 * a row whose partly filled last block is shared has its ``_cow`` flag set.
 
 Only a sequence's partly filled last block is ever written, so only it can need a copy; the
-``_cow`` flag lets a step skip the owner counts of every row that has not forked since its
-last write. Freeing a sequence moves the last row into its hole, so ``seq_ids`` (the order of
-``step()``) is row order, not the order of ``add``. Every plan is the one the teaching manager
-returns for the same calls: the same slots, block ids, copies and order.
+``_cow`` flag lets a step skip the owner counts of every row that has not forked (or been
+truncated into a shared block) since its last write. Freeing a sequence moves the last row
+into its hole, so ``seq_ids`` (the order of ``step()``) is row order, not the order of
+``add``. Every plan is the one the teaching manager returns for the same calls: the same
+slots, block ids, copies and order.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from ..checks import cdiv, count, positive_int
 from ..errors import (AuditError, ConfigError, DuplicateSequence, OutOfBlocks, SequenceExists,
-                      UnknownSequence)
+                      TokenIndexError, UnknownSequence)
 from ..manager import CacheStats, Plan
 from ..page_table import PageTable, slots_of
 from .allocator import BlockAllocator
@@ -270,6 +271,26 @@ class KVCacheManager(StepMixin):
         if length == self._longest:          # the longest may be gone
             self._longest = int(self._lens[:last].max()) if last else 0
 
+    def truncate(self, seq_id, n: int) -> None:
+        """Keep the first ``n`` tokens (a rewind): the blocks wholly past them lose this owner,
+        the last first; a kept shared block stays shared, and is copied at its next write
+        (the row is flagged copy-on-write if its new last block is partly filled and
+        shared)."""
+        row = self._row(seq_id)
+        n = count(n, "the number of tokens to keep")
+        length, bs = int(self._lens[row]), self.block_size
+        if n > length:
+            raise TokenIndexError(f"cannot keep {n} tokens: the sequence has {length}")
+        keep, table = cdiv(n, bs), self._tables[row]
+        cut = table[keep:cdiv(length, bs)][::-1].copy()
+        table[keep:keep + len(cut)] = -1
+        self._lens[row] = n
+        self.allocator._drop_owners(cut)
+        if n % bs and self.allocator.refcount(int(table[keep - 1])) > 1:
+            self._cow[row] = True
+        if length == self._longest:          # the longest may be shorter now
+            self._longest = int(self._lens[:len(self._ids)].max())
+
     # ------------------------------------------------------------------ accounting
     def _mapped(self):
         """(mask of mapped table entries, blocks per row) for the live rows."""
@@ -285,7 +306,7 @@ class KVCacheManager(StepMixin):
         cols = np.arange(tables.shape[1])[None, :]
         fill = np.where(cols == (nb - 1)[:, None], (lens - (nb - 1) * bs)[:, None], bs)
         per_block = np.zeros(alloc.num_blocks, dtype=np.int64)
-        per_block[tables[mask]] = fill[mask]   # the sharers of a block fill it equally
+        np.maximum.at(per_block, tables[mask], fill[mask])   # the fullest sharer's count
         stored, refs, used = int(per_block.sum()), alloc.refcounts(), alloc.num_used
         free_ids = np.sort(np.array(alloc.free_blocks(), dtype=np.int64))
         largest = 0

@@ -5,16 +5,15 @@
 //
 // A few words for a first-time CUDA reader:
 //  * A kernel is one function that many threads run at once. Threads come in warps of 32
-//     that
-//    execute one instruction together, and warps in thread blocks ("CTAs") that share a
-//    small, fast on-chip memory, `__shared__` memory. The grid of CTAs covers the whole
-//    problem; each thread finds its piece from threadIdx (its place in the CTA) and
+//    that execute one instruction together, and warps in thread blocks ("CTAs") that
+//    share a small, fast on-chip memory, `__shared__` memory. The grid of CTAs covers the
+//    whole problem; each thread finds its piece from threadIdx (its place in the CTA) and
 //    blockIdx (the CTA's place in the grid).
 //  * Global memory (the GPU's HBM) is large and slow to answer: a few hundred nanoseconds
 //    between asking and getting. It is fast only when the 32 threads of a warp ask for
 //    one contiguous stretch together, ideally 16 bytes per thread (a `uint4`).
-//  * K and V are stored as DT = 0 float32, 1 float16, 2 bfloat16; all arithmetic is
-//     float32.
+//  * K and V are stored as DT = 0 float32, 1 float16 or 2 bfloat16;
+//    all arithmetic is float32.
 // =======================================================================================
 
 // Minus infinity, spelled as its bit pattern (no headers needed).
@@ -114,8 +113,7 @@ template <> struct Num<2> {  // bfloat16: the top half of a float32: widening is
 // ---- where a token's K or V row lives ---------------------------------------------
 // The cache is [num_blocks][2][BLOCK_SIZE][kv_heads][HEAD_DIM]. Token t of a sequence
 // sits in physical block table[t / BLOCK_SIZE], row t % BLOCK_SIZE; kv = 0 is its K half,
-// 1 its V half. Returns the index of the row's first number (multiply by the element size
-// for bytes).
+// 1 its V half. Returns the index of the row's first number, in elements, not bytes.
 template <int HEAD_DIM, int BLOCK_SIZE>
 __device__ __forceinline__ long long kv_row(const int* table, int t, int kv, int h,
                                             int kv_heads) {

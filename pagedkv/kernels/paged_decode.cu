@@ -2,20 +2,16 @@
 // Step 6 of the chapter, the production kernel on CUDA cores (common.cuh comes first).
 //  * One CTA handles one (sequence b, kv head h, split) triple: blockIdx.z = b,
 //    blockIdx.y = h, blockIdx.x = split. All GROUP query heads that share kv head h are
-//    handled by the same CTA, so every K/V byte is read from memory once and used GROUP
-//    times.
+//    handled by the same CTA, which reads each K/V byte from memory once for all.
 //  * Inside a CTA, threads form "token groups" of TPT threads. A token group reads one
-//     token's
-//    K row (head_dim numbers) together: each thread takes 16 consecutive bytes (one
-//    uint4), so
-//    the group's loads are one contiguous stretch of memory, the fastest access there is.
+//    token's K row (head_dim numbers) together: each thread takes 16 consecutive bytes
+//    (one uint4), so the group's loads are one contiguous stretch of memory, the fastest
+//    access there is.
 //  * Each token group walks its own tokens (every NGROUPS-th one) and keeps its own
-//     running
-//    softmax (max m, sum l, weighted sum acc). At the end the groups, then the warps, are
-//    merged.
+//    running softmax (max m, sum l, weighted sum acc). At the end the groups, then the
+//    warps, are merged.
 //  * Loads go through a ring of shared-memory tiles filled by cp.async, so that the next
-//     tiles
-//    are on their way while the current one is computed.
+//    tiles are on their way while the current one is computed.
 // =======================================================================================
 
 // ---- the kernel ------------------------------------------------------------------
@@ -58,8 +54,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     const int t_begin = split * split_tokens;                 // this split's tokens:
     const int t_end = min(len, t_begin + split_tokens);       //   [t_begin, t_end)
 
-    // My slice of each query head, pre-multiplied by scale * log2(e) so that exp2 can be
-    // used.
+    // My slice of each query head, pre-multiplied by scale * log2(e) for exp2.
     float qf[GROUP][E];
     #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -73,9 +68,8 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         }
     }
 
-    // Running softmax of my token group, per query head: max score m, sum of exp2(s - m)
-    // l, and acc = sum of exp2(s - m) * V over the tokens seen so far (my E numbers of
-    // it).
+    // Running softmax of my token group, per query head: max score m, l = sum of
+    // exp2(s - m), acc = sum of exp2(s - m) * V over the tokens so far (my E numbers).
     float m[GROUP], l[GROUP], acc[GROUP][E];
     #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -84,8 +78,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
     }
 
-    // Token t of the sequence lives in physical block table[t / BLOCK_SIZE], row t %
-    // BLOCK_SIZE.
+    // Token t of the sequence lives in block table[t / BLOCK_SIZE], row t % BLOCK_SIZE.
     const int* table = block_tables + (long long)b * max_blocks;
     const long long row = (long long)kv_heads * ROW_VECS;  // uint4s from token to token
     const uint4* head = cache + h * ROW_VECS + lig;        // my chunk of kv head h, row 0
@@ -131,8 +124,8 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     for (int i = 0; i < STAGES - 1; ++i) { REQUEST(i) LOOKUP(i + 1) }
 
     for (int tile = 0; tile < n_tiles; ++tile) {
-        // 1. Ask for tile + STAGES - 1, look up the blocks of the one after, wait for
-        // this tile.
+        // 1. Ask for tile + STAGES - 1, look up the blocks of the one after, and wait
+        //    for this tile.
         REQUEST(tile + STAGES - 1)
         LOOKUP(tile + STAGES)
         cp_async_wait<STAGES - 1>();
@@ -140,8 +133,8 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         const int tb = t_begin + tile * TILE;
 
         // 2. Scores s = q . k: my partial dot product, then a butterfly sum over the
-        // group's
-        //    TPT threads (__shfl_xor_sync swaps registers between threads of a warp).
+        //    group's TPT threads (__shfl_xor_sync swaps registers between the threads
+        //    of a warp).
         float s[UNROLL][GROUP];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -169,8 +162,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
             }
         }
         // 3. Online softmax: raise the running max, rescale what was summed so far, add
-        // the
-        //    new tokens' weights p = exp2(s - m) and p * V.
+        //    the new tokens' weights p = exp2(s - m) and p * V.
         #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
             float mx = m[g];
@@ -220,10 +212,8 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     }
 
     // 5. Merge the warps through shared memory (memory all threads of the CTA can see),
-    // one
-    //    query head at a time, and write the result: the output itself when there is one
-    //    split, else this split's normalised output and its log2-sum-exp for
-    //    merge_splits.
+    //    one query head at a time, and write the result: the output itself when there
+    //    is one split, else the split's normalised output and log2-sum-exp, for merging.
     __shared__ float sm_acc[NWARPS][HEAD_DIM];
     __shared__ float sm_m[NWARPS], sm_l[NWARPS];
     #pragma unroll  // (unrolled so that acc[g] stays in registers: g must be a constant)

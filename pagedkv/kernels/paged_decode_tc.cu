@@ -21,10 +21,9 @@
 //                    B = K^T, 16 tokens as two 8-column tiles; k runs over head_dim.
 //   2. online softmax over the 16 scores of each head, as in step 3 (p = 2^(s - m)).
 //   3. O^T += V^T P^T: A = V^T (16 numbers of head_dim x 16 tokens), B = P^T (16 tokens x
-//   8 heads).
-//      The C fragment of step 1 holds P[head gid][tokens 2tig, 2tig+1] and [8+2tig,
-//      9+2tig], which is exactly the B fragment step 3 needs: no data moves between
-//      threads.
+//      8 heads). The C fragment of step 1 holds P[head gid][tokens 2tig, 2tig+1] and
+//      [8+2tig, 9+2tig], which is exactly the B fragment step 3 needs: no number moves
+//      from one thread to another.
 // K and V tiles come from global memory into a per-warp ring of shared-memory tiles with
 // cp.async (16 bytes per thread per copy); `ldmatrix` then loads the fragments from
 // shared memory (with .trans for V^T, which is V read column-wise).
@@ -86,9 +85,9 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     }
 
     // Running softmax of query head gid (the same in the 4 threads of a quad): max m
-    // (log2 units), this thread's share of the sum l; and O^T, 16 numbers of head_dim per
-    // step: acc[mt][0..1] = O[heads 2tig, 2tig+1][16mt + gid], acc[mt][2..3] the same at
-    // + 8.
+    // (log2 units), this thread's share of the sum l; and O^T, 16 numbers of head_dim
+    // per step: acc[mt][0..1] = O[heads 2tig, 2tig+1][16mt + gid], acc[mt][2..3] the
+    // same at 16mt + gid + 8.
     float m = -1e30f, l = 0.f;
     float acc[KSTEPS][4];
     #pragma unroll
@@ -132,9 +131,9 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) { TC_REQUEST(i) TC_LOOKUP(i + 1) }
 
-    // ldmatrix addresses: thread `lane` points at row lrow, column lcol of a 16x16 piece,
-    // so that the four matrices are (rows 0-7, cols 0-7), (0-7, 8-15), (8-15, 0-7),
-    // (8-15, 8-15).
+    // ldmatrix addresses: thread `lane` points at row lrow, column lcol of a 16x16
+    // piece, so that the four matrices are (rows 0-7, cols 0-7), (0-7, 8-15),
+    // (8-15, 0-7) and (8-15, 8-15).
     const int lrow = (lane & 7) + ((lane >> 4) << 3), lcol = ((lane >> 3) & 1) * 8;
 
     for (int tile = 0; tile < n_tiles; ++tile) {
@@ -157,8 +156,7 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
             mma16816<DT>(s1, qa[ks], kb[2], kb[3]);
         }
         // 2. Online softmax of head gid over its 4 scores here (tokens 2tig, 2tig+1,
-        // 8+2tig,
-        //    9+2tig); the quad's 4 threads share the max through two shuffles.
+        //    8+2tig, 9+2tig); the quad's 4 threads share the max through two shuffles.
         float s[4] = {s0[0], s0[1], s1[0], s1[1]};
         float mx = m;
         #pragma unroll
@@ -176,8 +174,7 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         for (int i = 0; i < 4; ++i) p[i] = exp2f(s[i] - mx);
         l = l * corr + (p[0] + p[1]) + (p[2] + p[3]);
         const unsigned pb0 = Num<DT>::pack2(p[0], p[1]), pb1 = Num<DT>::pack2(p[2], p[3]);
-        // acc holds heads 2tig and 2tig+1: fetch their corrections from the quads that
-        // own them.
+        // acc holds heads 2tig and 2tig+1: their corrections come from their quads.
         const float c_lo = __shfl_sync(0xffffffffu, corr, 8 * tig);
         const float c_hi = __shfl_sync(0xffffffffu, corr, 8 * tig + 4);
         // 3. O^T += V^T P^T, 16 numbers of head_dim at a time.
@@ -194,7 +191,7 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
 #undef TC_REQUEST
 
     // 4. Merge the warps through shared memory (the ring is free once every copy has
-    // landed).
+    //    landed, so the merge reuses it).
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     cp_async_wait<0>();

@@ -3,8 +3,7 @@
 // faster than the last (common.cuh comes first). Steps 6 and 7 are the package's own
 // kernels, paged_decode.cu and paged_decode_tc.cu. All of them compute, for every
 // sequence b and query head qh (which reads kv head h = qh / GROUP):
-//     out[b][qh] = sum_t softmax_t(q . k_t * scale) v_t      over the tokens t <
-//     seq_lens[b]
+//     out[b][qh] = sum_t softmax_t(q . k_t * scale) v_t over the tokens t < seq_lens[b]
 // These take float16 or bfloat16 (DT 1 or 2); the arithmetic is float32.
 // =======================================================================================
 
@@ -89,8 +88,8 @@ template <int ROW_VECS> __device__ __forceinline__ float across_rows_max(float x
 
 // ---- Step 2: a warp per (sequence, query head); a row read by ROW_VECS threads -----
 // Thread `lane` takes chunk c = lane % ROW_VECS of the row of token t0 + lane / ROW_VECS:
-// the warp reads TOK = 32 / ROW_VECS whole rows at once, contiguous 16-byte loads. Still
-// two passes.
+// the warp reads TOK = 32 / ROW_VECS whole rows at once, in contiguous 16-byte loads.
+// Still two passes.
 template <int DT, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void step2_warp(const uint4* q, const uint4* cache, const int* block_tables,
                            const int* seq_lens, void* out, int batch, int q_heads,
@@ -142,9 +141,8 @@ __global__ void step2_warp(const uint4* q, const uint4* cache, const int* block_
 
 // ---- Step 3: the same warp, one pass: online softmax ------------------------------
 // Keep a running max m; when a larger score arrives, what was summed so far is rescaled
-// by corr = exp(m_old - m_new). All threads of the warp share one m (the max over the TOK
-// tokens of each trip), so the shares of the TOK rows add up at the end without
-// rescaling.
+// by corr = exp(m_old - m_new). All threads of the warp share one m (the max over the
+// TOK tokens of each trip), so at the end the shares of the TOK rows add up as they are.
 template <int DT, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void step3_online(const uint4* q, const uint4* cache, const int* block_tables,
                              const int* seq_lens, void* out, int batch, int q_heads,
@@ -230,8 +228,7 @@ __device__ void attend_range(const uint4* q, const uint4* cache, const int* tabl
             m[g] = m_new;
         }
     }
-    // The warp's rows share m: add their shares. Then merge the warps through shared
-    // memory.
+    // The warp's rows share m: add their shares. Then merge the warps (shared memory).
     __shared__ float sm_acc[NWARPS][GROUP][HEAD_DIM];
     __shared__ float sm_m[NWARPS][GROUP], sm_l[NWARPS][GROUP];
     #pragma unroll

@@ -31,7 +31,6 @@ from __future__ import annotations
 import secrets
 from collections import deque
 
-import numpy as np
 
 from ..beams import follow
 from ..checks import cdiv, token_ids
@@ -132,9 +131,9 @@ class Engine:
         finished."""
         plan = self.scheduler.schedule()
         self.flight.append((plan, self.runner.launch(plan)))
-        keep = 0 if plan.draws.beams or not self.scheduler else self.depth
+        keep = 0 if plan.draws.beams else self.depth
         done = []
-        while len(self.flight) > keep:
+        while self.flight and (len(self.flight) > keep or not self.scheduler):
             plan, launched = self.flight.popleft()
             done += self.update(plan, self.runner.land(launched))
         return done
@@ -158,22 +157,20 @@ class Engine:
         the sequences that ended retire; beam search takes its step; the requests whose
         sequences all ended leave. Returns them."""
         d, m = plan.draws, self.memory.manager
-        pending, named, ended = m.pending(), ([], []), []
+        stops, ids, tokens, ended = self.config.stop_ids, [], [], []
         for req, seq, token in zip(d.reqs, d.seqs, out.tokens.tolist()):
-            if not any(s is seq for s in req.live):
+            if seq.ended:
                 continue
             seq.tokens.append(token)
-            if pending.get(seq.seq_id):             # its slot's K/V is this token's
-                pending[seq.seq_id] -= 1
-                named[0].append(seq.seq_id)
-                named[1].append(token)
-            if self._ends(req.params, seq):
-                req.live.remove(seq)
+            ids.append(seq.seq_id)
+            tokens.append(token)
+            p = req.params
+            if seq.num_generated >= p.max_new_tokens or (token in stops and not p.ignore_eos):
+                self._retire(req, seq, free=False)
                 ended.append((req, seq))
-        m.commit(*named)
+        m.commit_landed(ids, tokens)                # a reserved slot's K/V is its token's
         for req, seq in ended:
             self._release(seq)
-            req.finished.append(seq)
         for (req, _), (top_lp, top_ids) in zip(d.beams, out.beams):
             if req.live:                            # (not cancelled since)
                 self._beam_step(req, top_lp, top_ids)
@@ -191,10 +188,14 @@ class Engine:
             self.on_step(self)
         return done
 
-    def _ends(self, p: SamplingParams, seq) -> bool:
-        """Does the token just chosen end the sequence: its limit, or an end token?"""
-        return seq.num_generated >= p.max_new_tokens or \
-            (seq.tokens[-1] in self.config.stop_ids and not p.ignore_eos)
+    def _retire(self, req: Request, seq, free: bool = True) -> None:
+        """A sequence is complete: it leaves the live ones with its tokens (its blocks
+        freed, unless the caller frees them later)."""
+        req.live.remove(seq)
+        req.finished.append(seq)
+        seq.ended = True
+        if free:
+            self._release(seq)
 
     def _release(self, seq) -> None:
         """Free a sequence's blocks, wherever they are: the pool, the host pool (swapped
@@ -224,8 +225,11 @@ class Engine:
             m.fork(parent.seq_id, child.seq_id)
             return child
 
-        req.live = follow(beams, [b for b, _, _ in continuing], fork,
-                          lambda beam: m.free(beam.seq_id))
+        def prune(beam):                               # no survivor descends from it
+            m.free(beam.seq_id)
+            beam.ended = True
+
+        req.live = follow(beams, [b for b, _, _ in continuing], fork, prune)
         for beam, (b, t, score) in zip(req.live, continuing):
             if beam is beams[b]:                       # the first child continues the beam
                 beam.tokens.append(t)
@@ -235,9 +239,7 @@ class Engine:
         full = bool(req.live) and len(req.live[0].generated) >= req.params.max_new_tokens
         if len(req.finished) >= k or full or not req.live:
             for seq in list(req.live):
-                self._release(seq)
-                req.live.remove(seq)
-                req.finished.append(seq)
+                self._retire(req, seq)
 
     def _record(self, plan) -> None:
         """What the pool holds, from the allocator's counters and one pass over the live
@@ -278,9 +280,7 @@ class Engine:
             raise AuditError(f"request {req.request_id} is swapped out without all its "
                              f"sequences")
         s.drop(req)
-        for seq in req.live:
-            self._release(seq)
-        req.finished.extend(req.live)
-        req.live = []
+        for seq in list(req.live):
+            self._retire(req, seq)
         return True
 

@@ -25,7 +25,7 @@ class DecodeLaunches:
     :class:`~pagedkv.model.runner.FastRunner`: it uses the runner's buffers, views,
     buckets, ``_drawn`` and ``_pass``)."""
 
-    def _stage(self, batch: Batch, b: int, follow) -> int:
+    def _stage(self, batch: Batch, b: int, follow=None) -> int:
         """Fill the host copy of the inputs for bucket ``b`` (padding rows: slot -1, length
         0; ``follow``: where each row's input token is in ``_drawn``, or -1) and return how
         many of its int32 numbers the device needs."""

@@ -47,7 +47,7 @@ from ..errors import AuditError, ConfigError, OutOfBlocks
 from ..kernels.sampling import derive_seed
 from ..scheduler import Memory, Plan
 from ..swap import HostPool, Swapper
-from .requests import Request, Sequence
+from .requests import Sequence
 
 __all__ = ["Counts", "EngineMemory", "Part", "Rows", "Draws", "prefill_prompt"]
 
@@ -199,7 +199,7 @@ class EngineMemory(Memory):
         if width > self.max_seqs:
             return "never", (f"the request runs {width} sequences; at most "
                              f"{self.max_seqs} run at once")
-        if sum(len(r.live) for r in self.running) + width > self.max_seqs:
+        if self.sequences(self.running) + width > self.max_seqs:
             return "later", f"{self.max_seqs} sequences are running"
         need = self._blocks_to_start(req) + self.watermark_blocks
         free = self.manager.allocator.num_free - promised
@@ -211,8 +211,14 @@ class EngineMemory(Memory):
     # ------------------------------------------------------------------ the Memory interface
     def width(self, req) -> int:
         """Sequences the request decodes a step: all it will fork into, until its first
-        tokens are chosen."""
-        return len(req.live) if req.prefilled else req.params.width
+        tokens are chosen; then those whose answers have not reached their length (a
+        sequence whose last token is on its way may be at its limit already)."""
+        if not req.prefilled:
+            return req.params.width
+        limit, live = req.params.max_new_tokens, req.live
+        if len(live) == 1:
+            return int(live[0].planned < limit)
+        return sum(s.planned < limit for s in live)
 
     def to_prefill(self, req) -> int:
         """Tokens the request must still compute before it decodes (cache hits excluded)."""
@@ -353,7 +359,9 @@ class EngineMemory(Memory):
         for seq_id in ids:
             self.manager.free(seq_id)
         req.prefilled = False
-        if fresh:
+        if fresh:                                  # (its sequences drew nothing: no tokens
+            for seq in req.live:                   # of theirs can be on their way)
+                seq.ended = True
             req.live.clear()
         return False, None
 
@@ -403,24 +411,24 @@ class EngineMemory(Memory):
     def _draws(self, draws, beams, inputs, follow) -> Draws:
         """:class:`Draws` of ``(logits row, request, sequence)`` triples, in order; each
         sequence's ``planned`` count moves on by its draws."""
-        temperature, top_p, top_k, seeds, counters, ban = [], [], [], [], [], []
-        for _, req, seq in draws:
-            p = req.params
-            if seq.stream_seed is None:
+        reqs, seqs = tuple(r for _, r, _ in draws), tuple(s for _, _, s in draws)
+        for req, seq in zip(reqs, seqs):
+            if seq.stream_seed is None:            # its stream, fixed at its first draw
                 seq.stream_seed = derive_seed(req.seed, req.live.index(seq))
-            temperature.append(p.temperature)
-            top_p.append(p.top_p)
-            top_k.append(p.top_k)
-            seeds.append(seq.stream_seed)
-            counters.append(seq.planned)
-            ban.append(bool(self.stop_ids) and seq.planned < p.min_tokens)
+        params, counters = [r.params for r in reqs], []
+        for seq in seqs:                   # (a sequence may draw twice: its first token,
+            counters.append(seq.planned)   # then the next)
             seq.planned += 1
-        return _frozen(Draws)(np.array([r for r, _, _ in draws], np.int32),
-                     tuple(s for _, _, s in draws), tuple(r for _, r, _ in draws),
-                     np.array(temperature, np.float64),
-                     np.array(top_p, np.float64), np.array(top_k, np.int32),
-                     np.array(seeds, np.uint64), np.array(counters, np.int64),
-                     np.array(ban, bool), tuple(beams), inputs, follow)
+        ban = np.array([c < p.min_tokens for c, p in zip(counters, params)], bool) \
+            if self.stop_ids else np.zeros(len(seqs), bool)
+        return _frozen(Draws)(
+            np.array([r for r, _, _ in draws], np.int32), seqs, reqs,
+            np.array([p.temperature for p in params], np.float64),
+            np.array([p.top_p for p in params], np.float64),
+            np.array([p.top_k for p in params], np.int32),
+            np.array([s.stream_seed for s in seqs], np.uint64),
+            np.array(counters, np.int64), ban,
+            tuple(beams), inputs, follow)
 
     def _count(self, part: Part) -> None:
         """Count a part's tokens: computed from ``start`` on, after ``found`` found in the

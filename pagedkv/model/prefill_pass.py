@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
-from ..kernels.fused import argmax_rows, rms_norm
+from ..kernels.fused import rms_norm
 from ..kernels.gemm import gemm
 from ..kernels.prefill import paged_prefill_attention
 from .graphs import Views
