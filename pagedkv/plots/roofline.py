@@ -6,6 +6,8 @@ Same conventions as :mod:`pagedkv.plots.memory` (no pyplot, the Okabe-Ito palett
 of at least 9 pt)."""
 from __future__ import annotations
 
+import math
+
 from matplotlib.figure import Figure
 
 from ..errors import ConfigError
@@ -50,8 +52,6 @@ def draw_roofline(groups: dict, *, bandwidth: float, peak: float, title=None,
     fig = Figure(figsize=(9, 4.6), layout="constrained")
     ax = fig.add_subplot()
     ax.plot([lo, knee, hi], [lo * bandwidth, peak, peak], color="#333333", lw=1.6)
-    ax.text(lo * 1.3, lo * 1.3 * bandwidth * 1.25,
-            f"{roof_names[0]}: {bandwidth / 1e12:.2f} TB/s", fontsize=9, color="#333333")
     ax.text(knee * 1.15, peak * 1.12, f"{roof_names[1]}: {peak / 1e12:,.0f} TFLOP/s",
             fontsize=9, color="#333333")
     ax.axvline(knee, color="#999999", lw=0.8, ls=":")
@@ -69,6 +69,13 @@ def draw_roofline(groups: dict, *, bandwidth: float, peak: float, title=None,
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(min([lo * bandwidth] + [p[1] / 3 for p in points]), peak * 3)
+    # the memory roof's name along it, turned to its slope as drawn
+    x0 = lo * 1.4
+    (px, py), (qx, qy) = ax.transData.transform([(x0, x0 * bandwidth),
+                                                 (x0 * 10, x0 * 10 * bandwidth)])
+    ax.text(x0, x0 * bandwidth * 1.6, f"{roof_names[0]}: {bandwidth / 1e12:.2f} TB/s",
+            rotation=math.degrees(math.atan2(qy - py, qx - px)), rotation_mode="anchor",
+            fontsize=9, color="#333333")
     ax.set_xlabel("arithmetic intensity (FLOPs per byte moved, log scale)", fontsize=9)
     ax.set_ylabel("FLOPs a second (log scale)", fontsize=9)
     ax.grid(which="major", lw=0.3, alpha=0.5)
