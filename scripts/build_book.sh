@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 
 STAMP=_build/.book-built
-SOURCES=(_config.yml _toc.yml references.bib book pagedkv solutions requirements.txt pyproject.toml
-         perf/results)
+SOURCES=(_config.yml _toc.yml _static references.bib book pagedkv solutions requirements.txt
+         pyproject.toml perf/results)
 
 if [ "${1:-}" = "--if-stale" ] && [ -e "$STAMP" ] && [ -e _build/html/index.html ]; then
     changed=$(find "${SOURCES[@]}" -newer "$STAMP" -type f \

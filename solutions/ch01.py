@@ -6,6 +6,8 @@ import numpy as np
 from pagedkv.checks import cdiv, positive_int
 from pagedkv.contiguous import FirstFit
 
+from ._seeds import names_its_seed
+
 __all__ = ["BestFit", "replay", "block_waste"]
 
 
@@ -85,9 +87,9 @@ def _best_fit_oracle(free: np.ndarray, n: int):
     return min(fits)[1] if fits else None                 # shortest, then lowest start
 
 
+@names_its_seed
 def check_BestFit(impl=BestFit, seed=1, ops=2000):
     """Hand-worked placements, then random allocs and frees against the slot model."""
-    print(f"seed={seed}")
     a = impl(20)
     s0, _, s2, _ = a.alloc(6), a.alloc(2), a.alloc(3), a.alloc(4)   # 0, 6, 8, 11; hole 15+5
     a.free(s0, 6)
@@ -135,9 +137,9 @@ def check_replay(impl=replay):
     return {"FirstFit": first, "BestFit": impl(BestFit, steps=400, seed=3)}
 
 
+@names_its_seed
 def check_block_waste(impl=block_waste, seed=0):
     """Against a per-sequence loop, on random lengths and block sizes."""
-    print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     for _ in range(200):
         lengths = rng.integers(1, 500, size=int(rng.integers(1, 30))).tolist()

@@ -10,6 +10,8 @@ from pagedkv.allocator import BlockAllocator
 from pagedkv.checks import count
 from pagedkv.errors import OutOfBlocks
 
+from ._seeds import names_its_seed
+
 __all__ = ["QueueAllocator", "take_n"]
 
 
@@ -46,9 +48,9 @@ def take_n(alloc: BlockAllocator, n: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ checks
+@names_its_seed
 def check_QueueAllocator(impl=QueueAllocator, seed=3, ops=3000):
     """Against a deque model: the block out is always the one freed longest ago."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     a = impl(12, 8, xp=np)
     model, held = deque(range(12)), []
@@ -69,10 +71,10 @@ def check_QueueAllocator(impl=QueueAllocator, seed=3, ops=3000):
     return {"operations": ops, "agreed with the queue model": True}
 
 
+@names_its_seed
 def check_take_n(impl=take_n, seed=5, trials=300):
     """Same blocks, order and counts as ``allocate_n`` on a twin allocator, from scattered free
     stacks; all or nothing when too few are free."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         twins = [BlockAllocator(16, 8, xp=np) for _ in range(2)]

@@ -7,6 +7,8 @@ import numpy as np
 
 from pagedkv.page_table import PageTable
 
+from ._seeds import names_its_seed
+
 __all__ = ["position_of", "interleaved_kv_addresses"]
 
 
@@ -37,9 +39,9 @@ def _random_table(rng: random.Random) -> PageTable:
     return PageTable(bs, blocks, tokens)
 
 
+@names_its_seed
 def check_position_of(impl=position_of, seed=7, tables=300):
     """Against a brute-force scan: every slot of a 40-block pool, for random page tables."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(tables):
         table = _random_table(rng)
@@ -49,9 +51,9 @@ def check_position_of(impl=position_of, seed=7, tables=300):
     return {"page tables": tables}
 
 
+@names_its_seed
 def check_interleaved_kv_addresses(impl=interleaved_kv_addresses, seed=2, tables=100):
     """Against the byte offsets NumPy itself computes for an array of that layout."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(tables):
         table = _random_table(rng)

@@ -10,6 +10,8 @@ from pagedkv.allocator import BlockAllocator
 from pagedkv.checks import cdiv
 from pagedkv.manager import KVCacheManager
 
+from ._seeds import names_its_seed
+
 __all__ = ["new_blocks_for_step", "internal_fragmentation"]
 
 
@@ -36,9 +38,9 @@ def _random_manager(rng: random.Random):
     return m
 
 
+@names_its_seed
 def check_new_blocks_for_step(impl=new_blocks_for_step, seed=11, trials=300):
     """Against the manager itself: the blocks a real step takes from the allocator."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         m = _random_manager(rng)
@@ -50,9 +52,9 @@ def check_new_blocks_for_step(impl=new_blocks_for_step, seed=11, trials=300):
     return {"trials": trials}
 
 
+@names_its_seed
 def check_internal_fragmentation(impl=internal_fragmentation, seed=13, trials=300):
     """Against ``stats()`` on managers filled with random lengths."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         m = _random_manager(rng)

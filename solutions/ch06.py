@@ -8,6 +8,8 @@ import numpy as np
 
 from pagedkv import sim
 
+from ._seeds import names_its_seed
+
 __all__ = ["preempt_longest", "expected_length"]
 
 
@@ -39,11 +41,11 @@ def expected_length(spec) -> float:
 
 
 # ------------------------------------------------------------------------------------ checks
+@names_its_seed
 def check_preempt_longest(impl=preempt_longest, seed=4, trials=300):
     """By hand on random batches (which request it names, the batch left as it was), then
     inside ``serve`` with every token written and verified, against a spy that checks each
     preempted request was the longest running."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         batch = sim.Running()
@@ -70,10 +72,10 @@ def check_preempt_longest(impl=preempt_longest, seed=4, trials=300):
     return {"batches": trials, "preemptions in the served run": run.preemptions}
 
 
+@names_its_seed
 def check_expected_length(impl=expected_length, seed=0, n=200_000):
     """Against the mean of ``n`` lengths drawn by ``make_workload`` for every preset, within
     four standard errors, and by hand where the answer is plain."""
-    print(f"seed={seed}")
     assert impl(("uniform", 4, 32)) == 18
     assert abs(impl(("lognormal", 50.0, 0.5, 7, 7)) - 7) < 1e-12     # clipped to one value
     for name in sim.PRESETS:

@@ -13,6 +13,8 @@ from pagedkv.beams import follow
 from pagedkv.checks import cdiv
 from pagedkv.manager import KVCacheManager
 
+from ._seeds import names_its_seed
+
 __all__ = ["count_copies", "parallel_blocks"]
 
 
@@ -86,10 +88,10 @@ def _random_schedule(rng, steps, width):
     return schedule
 
 
+@names_its_seed
 def check_count_copies(impl=count_copies, seed=6, trials=200):
     """Against a real manager driven by random schedules, and against the chapter's beam
     search itself (its parents replayed from the same random draws)."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         prompt, bs = rng.randrange(1, 40), rng.choice([1, 2, 4, 16])
@@ -106,9 +108,9 @@ def check_count_copies(impl=count_copies, seed=6, trials=200):
     return {"schedules": trials, "copies in the chapter's search": kv.copies}
 
 
+@names_its_seed
 def check_parallel_blocks(impl=parallel_blocks, seed=8, trials=300):
     """Against ``sim.parallel_sampling`` on a real manager."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         prompt, output = rng.randrange(1, 60), rng.randrange(1, 60)

@@ -10,6 +10,8 @@ import numpy as np
 from pagedkv.allocator import BlockAllocator
 from pagedkv.prefix_cache import PrefixCachingManager
 
+from ._seeds import names_its_seed
+
 __all__ = ["cached_tokens", "radix_tokens", "cheaper"]
 
 
@@ -65,9 +67,9 @@ def _prompts(rng, n):
             for _ in range(n)]
 
 
+@names_its_seed
 def check_cached_tokens(impl=cached_tokens, seed=11, rounds=60):
     """Against a real PrefixCachingManager with a pool too large to evict anything."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     checked = 0
     for _ in range(rounds):
@@ -86,10 +88,10 @@ def check_cached_tokens(impl=cached_tokens, seed=11, rounds=60):
     return {"prompts checked": checked}
 
 
+@names_its_seed
 def check_radix_tokens(impl=radix_tokens, seed=12, rounds=200):
     """Against the definition, written with os.path.commonprefix."""
     import os
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(rounds):
         prompts = _prompts(rng, rng.randrange(1, 7))

@@ -1,15 +1,16 @@
 """Chapter 15 (serving it): how much of a streamed answer is safe to send while stop
 strings may still appear, reading a server-sent event stream back, the text of one
 more token with nothing but the tokenizer's ``decode``, and answers that keep the stop
-string that ended them (the engine loop changed, checked on the loop itself)."""
+string that ended them (the server's text half changed, checked on its engine client)."""
 from __future__ import annotations
 
 import itertools
 import json
 import random
 import threading
+import time
 
-from pagedkv.serve.loop import Texts
+from pagedkv.serve.texts import Texts
 
 __all__ = ["safe_length", "read_sse", "OffsetDecoder", "StopIncluded"]
 
@@ -283,46 +284,48 @@ class StopIncluded(Texts):
         return bool(ends)
 
 
-def _ask(loop, prompt, params, stop=(), stream=True):
-    """One job through a running loop: (its text, the finish reasons, the events)."""
-    from pagedkv.serve.loop import Job
+def _ask(client, prompt, params, stop=(), stream=True):
+    """One job through a started engine client: (its text, the finish reasons, the
+    events)."""
+    from pagedkv.serve.texts import Delta, Done, Failed, Job, Rejected
     events, done = [], threading.Event()
 
-    def emit(event):
-        events.append(event)
-        if event["type"] in ("done", "error", "rejected"):
+    def emit(batch):
+        events.extend(batch)
+        if any(isinstance(e, (Done, Failed, Rejected)) for e in batch):
             done.set()
 
-    loop.submit(Job(prompt, params, emit, stop=tuple(stop), stream=stream))
+    assert client.submit(Job(prompt, params, emit, stop=tuple(stop), stream=stream)) is None
     assert done.wait(60), f"no answer within 60 s: {events}"
-    assert events[-1]["type"] == "done", events[-1]
-    deltas = [e for e in events if e["type"] == "delta"]
-    text = "".join(e["text"] for e in deltas)
-    return text, [e["finish_reason"] for e in deltas], events
+    assert isinstance(events[-1], Done), events[-1]
+    deltas = [e for e in events if isinstance(e, Delta)]
+    text = "".join(e.text for e in deltas)
+    return text, [e.finish_reason for e in deltas], events
 
 
 def check_StopIncluded(impl=StopIncluded, seed=15, trials=40):
-    """On the engine loop with the tiny random model, in this process: a greedy answer
-    with no stop string is the oracle; asked again with stop strings drawn from it, the
-    answer must be its shortest prefix that holds one of them, streamed or not, ending
-    with finish reason "stop", and every block back in the pool."""
-    from pagedkv.model.engine import Engine
+    """On the server's engine client with the tiny random model on a thread of this
+    process: a greedy answer with no stop string is the oracle; asked again with stop
+    strings drawn from it, the answer must be its shortest prefix that holds one of
+    them, streamed or not, ending with finish reason "stop", and every block back in the
+    pool."""
     from pagedkv.model.requests import SamplingParams
-    from pagedkv.serve.loop import EngineLoop
+    from pagedkv.serve.client import EngineClient
     from pagedkv.serve.models import load
+    from pagedkv.serve.start import EngineSpec, make_engine
+    from pagedkv.serve.transport import ThreadTransport
     print(f"seed={seed}")
     rng = random.Random(seed)
-    served = load("tiny")
-    engine = Engine(served.model, num_blocks=64, stop_ids=[served.tokenizer.eos_id])
-    loop = EngineLoop(engine, served.tokenizer)
-    loop.texts = impl(served.tokenizer, engine.config.stop_ids)
-    loop.start()
+    engine, info = make_engine(EngineSpec.of("tiny", num_blocks=64))
+    tokenizer = load("tiny", model=False).tokenizer
+    client = EngineClient(ThreadTransport(engine, info), tokenizer).start()
+    client.texts = impl(tokenizer, engine.config.stop_ids)
     try:
         for _ in range(trials):
-            prompt = served.tokenizer.encode_text("".join(
+            prompt = tokenizer.encode_text("".join(
                 rng.choice("abcdefgh ") for _ in range(rng.randrange(1, 12))))
             params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-            whole, _, _ = _ask(loop, prompt, params)
+            whole, _, _ = _ask(client, prompt, params)
             stops = []
             for _ in range(rng.randrange(1, 4)):
                 i = rng.randrange(len(whole))
@@ -330,13 +333,18 @@ def check_StopIncluded(impl=StopIncluded, seed=15, trials=40):
             want = next(whole[:k] for k in range(len(whole) + 1)
                         if any(s in whole[:k] for s in stops))
             stream = rng.random() < 0.5
-            text, reasons, _ = _ask(loop, prompt, params, stops, stream)
+            text, reasons, _ = _ask(client, prompt, params, stops, stream)
             assert text == want, (whole, stops, text, want)
             assert reasons[-1] == "stop", (stops, reasons)
-        assert engine.memory.manager.allocator.num_used == 0
-        engine.memory.manager.audit()
+        pool = client.pool(audit=True).result(30)
+        for _ in range(100):            # (the last cancel may still be on its way)
+            if not pool["used"]:
+                break
+            time.sleep(0.05)
+            pool = client.pool(audit=True).result(30)
+        assert pool["used"] == 0 and pool["audit"] == "ok", pool
     finally:
-        loop.stop()
+        client.stop()
     return {"answers": trials}
 
 

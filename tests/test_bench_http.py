@@ -84,7 +84,9 @@ def test_summarize_on_hand_made_records():
 
 def test_bad_arguments_are_refused_before_a_server_starts():
     for bad in (["--concurrency", "0"], ["--clients", "0"], ["--rate", "-1"],
-                ["--url", "http://127.0.0.1:9", "--audit"]):
+                ["--url", "http://127.0.0.1:9", "--audit"], ["--stream-interval", "0"],
+                ["--stream-interval", "8", "8"],
+                ["--url", "http://127.0.0.1:9", "--stream-interval", "8"]):
         with pytest.raises(SystemExit):
             http.main(["--quick", "--model", "tiny", *bad])
 
@@ -113,3 +115,28 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     # the server honours "ignore_eos": every answer has exactly the tokens asked for
     h = r["http"]
     assert h["completion_tokens"] == asked and set(h["finish_reasons"]) == {"length"}
+
+
+def test_stream_intervals_side_by_side(tmp_path, capsys):
+    """``--stream-interval 1 8``: a server at each, the same requests; every answer whole
+    at both, and at 8 fewer chunks carry more tokens each (the first text still at
+    once: the TTFT probe answers)."""
+    out = tmp_path / "http.json"
+    assert http.main(["--quick", "--model", "tiny", "--ttft-probe", "2", "--no-engine",
+                      "--stream-interval", "1", "8", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    print(table)
+    assert "http/1" in table and "http/8" in table and "stream interval 8: p50" in table
+    r = json.loads(out.read_text())
+    runs = r["stream_intervals"]
+    asked = [o for *_, o in serve.make_requests(12, 8, 40, seed=0)]
+    for k in ("1", "8"):
+        h = runs[k]["http"]
+        assert h["stream_interval"] == int(k) and runs[k]["server_exit"] == 0
+        assert h["completed"] == 12 and h["errors"] == 0
+        assert h["completion_tokens"] == asked
+        assert runs[k]["ttft_probe"]["errors"] == 0
+        assert runs[k]["server_flags"][-4:-2] == ["--stream-interval", k]
+    per_chunk = {k: runs[k]["http"]["tokens_per_chunk"] for k in runs}
+    assert per_chunk["8"] > max(3, per_chunk["1"]), per_chunk
+    assert r["http"] == runs["1"]["http"]                   # the first run's on top

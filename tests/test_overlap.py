@@ -160,7 +160,7 @@ def test_a_step_ahead_lands_one_step_later(tiny):
     engine.step()                                      # lands the first: two tokens
     assert req.live[0].num_generated == 2 and len(engine.flight) == 1
     assert engine.step() == [req] and req.done
-    assert engine.step() == [] and not engine.flight and not engine.has_work()
+    assert not engine.flight and not engine.has_work()   # nothing left: all landed
     beam = engine.submit([4, 5], SamplingParams(max_new_tokens=3, beam_width=2))
     engine.step()
     assert not engine.flight and len(beam.live) == 2   # ranked on the host, now

@@ -246,7 +246,11 @@ def test_command_line_errors():
                          (["--max-waiting", "0"], "--max-waiting must be at least 1"),
                          (["--max-body", "0"], "--max-body must be at least 1"),
                          (["--read-timeout", "0"], "--read-timeout must be a positive"),
-                         (["--allow-origin", "evil.example"], "--allow-origin takes")):
+                         (["--allow-origin", "evil.example"], "--allow-origin takes"),
+                         (["--stream-interval", "0"], "--stream-interval must be at least 1"),
+                         (["--stall-timeout", "0"], "--stall-timeout must be a positive"),
+                         (["--allowed-host", "a*.b"], "--allowed-host takes a name"),
+                         (["--api-key", " "], "--api-key is empty")):
         r = subprocess.run([sys.executable, "-m", "pagedkv.serve", "--model", "tiny",
                             *flags], capture_output=True, text=True, env=ENV, timeout=60)
         assert r.returncode == 2 and words in r.stderr, (r.returncode, r.stderr)
@@ -258,12 +262,17 @@ def test_metrics(client, server):
     for name in ("pagedkv_blocks{state=\"used\"}", "pagedkv_blocks{state=\"free\"}",
                  "pagedkv_blocks{state=\"cached\"}", "pagedkv_requests_running",
                  "pagedkv_requests_waiting", "pagedkv_generation_tokens_total",
-                 "pagedkv_prefix_cache_hit_rate"):
+                 "pagedkv_prefix_cache_hit_rate", "pagedkv_requests_finished_total",
+                 "pagedkv_engine_stalled", "pagedkv_engine_step_age_seconds"):
         assert name in text, name
     tokens = _metric(server, "pagedkv_generation_tokens_total")
+    finished = _metric(server, "pagedkv_requests_finished_total")
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=7, temperature=0)
     assert _metric(server, "pagedkv_generation_tokens_total") == \
         tokens + r.usage.completion_tokens
+    assert _metric(server, "pagedkv_requests_finished_total") == finished + 1
+    assert _metric(server, "pagedkv_engine_stalled") == 0
+    assert 0 <= _metric(server, "pagedkv_engine_heard_age_seconds") < 30
     assert _metric(server, "pagedkv_blocks_total") == 256
 
 

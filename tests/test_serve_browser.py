@@ -4,11 +4,16 @@
 A message is sent, the answer streams in, and the block map changes: cells of this
 conversation appear while it answers, and after it its full blocks show as cached. Two
 tabs with the same (default) system prompt share its blocks while both answer. The page
-loads nothing from outside the server and logs no console errors.
+loads nothing from outside the server and logs no console errors. A page on another site
+may use the server only when ``--allow-origin`` names that site (CORS), and with
+``--api-key`` the chat page asks for the key.
 """
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -64,8 +69,18 @@ def _send(page, text: str, max_tokens: int):
     page.press("#input", "Enter")
 
 
+def _until(page, expression: str, timeout_ms: int = WAIT_MS) -> None:
+    """Wait (bounded) until ``expression`` is true in the page. (Playwright's
+    wait_for_function evaluates its predicate with eval, which the page's
+    Content-Security-Policy forbids; page.evaluate goes through the debugger.)"""
+    end = time.monotonic() + timeout_ms / 1000
+    while not page.evaluate(expression):
+        assert time.monotonic() < end, f"not within {timeout_ms} ms: {expression}"
+        time.sleep(0.05)
+
+
 def _answered(page):
-    page.wait_for_function("!document.getElementById('send').disabled", timeout=WAIT_MS)
+    _until(page, "!document.getElementById('send').disabled")
 
 
 def test_chat_page_streams_and_draws_the_pool(server, browser):
@@ -76,17 +91,15 @@ def test_chat_page_streams_and_draws_the_pool(server, browser):
     assert page.locator("#pool .block").count() == 320        # one cell a block
     assert _count(page, "free") == 320
     _send(page, "Hello there", 300)
-    page.wait_for_function("document.getElementById('n-mine').textContent > 0",
-                           timeout=WAIT_MS)                    # its blocks, while it runs
+    _until(page, "document.getElementById('n-mine').textContent > 0")  # while it runs
     mine_early = _count(page, "mine")
     _answered(page)
     answer = page.locator(".msg.assistant").last.text_content()
     assert len(answer) > 100, answer
     assert page.locator(".msg.user").last.text_content() == "Hello there"
     assert "prompt tokens" in page.text_content("#status")
-    page.wait_for_function("document.getElementById('n-mine').textContent == 0 && "
-                           "document.getElementById('n-cached').textContent > 0",
-                           timeout=WAIT_MS)                    # kept by the prefix cache
+    _until(page, "document.getElementById('n-mine').textContent == 0 && "
+                 "document.getElementById('n-cached').textContent > 0")  # the prefix cache
     assert mine_early > 0 and _count(page, "cached") >= 300 // 16
     # the next turn finds the conversation so far in the cache
     _send(page, "And again", 20)
@@ -104,11 +117,9 @@ def test_two_tabs_share_the_system_prompt(server, browser):
     context = browser.new_context(viewport={"width": 1366, "height": 900})
     one, two = _open(context, server, problems), _open(context, server, problems)
     _send(one, "First tab", 600)
-    one.wait_for_function("document.getElementById('n-mine').textContent > 0",
-                          timeout=WAIT_MS)
+    _until(one, "document.getElementById('n-mine').textContent > 0")
     _send(two, "Second tab", 100)
-    two.wait_for_function("document.getElementById('peak-shared').textContent > 0",
-                          timeout=WAIT_MS)
+    _until(two, "document.getElementById('peak-shared').textContent > 0")
     # the default system prompt's full blocks, held by both answers at once
     assert int(two.text_content("#peak-shared")) >= 3
     _answered(two)
@@ -130,3 +141,84 @@ def test_bad_input_shows_the_servers_message(server, browser):
     context.close()
     # (the failed fetch logs a console error for the 400 response: expected here)
     assert all("400" in p for p in problems), problems
+
+
+# ---------------------------------------------------------------------- other origins
+
+PAGE = "<!doctype html><title>another site</title><p>a page of another site</p>"
+ASK = """async (url) => {
+  try {
+    const r = await fetch(url + "/v1/chat/completions", {method: "POST",
+      headers: {"Content-Type": "application/json"}, body: JSON.stringify({
+        model: "tiny-random-llama", max_tokens: 5, temperature: 0, stream: true,
+        messages: [{role: "user", content: "hi"}]})});
+    return r.status + " " + (await r.text());
+  } catch (e) { return "blocked: " + e; }
+}"""
+
+
+@contextlib.contextmanager
+def _site():
+    """Another web site on 127.0.0.1 (a free port): one page, PAGE."""
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = PAGE.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_cors_lets_in_the_allowed_sites_pages_only(browser):
+    """--allow-origin names one site: a page there streams an answer through CORS (the
+    preflight answered by Starlette's middleware); a page on another site is blocked by
+    the browser before its request is sent (the server counts no request)."""
+    from _serving import metric
+    with _site() as allowed, _site() as other:
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        with ServerProcess("--model", "tiny", "--allow-origin", allowed, env=env,
+                           timeout=60) as server:
+            context = browser.new_context()
+            page = context.new_page()
+            page.goto(allowed + "/")
+            answer = page.evaluate(ASK, server.url)
+            assert answer.startswith("200 ") and "data: [DONE]" in answer, answer
+            before = metric(server, "pagedkv_requests_total")
+            page.goto(other + "/")
+            assert page.evaluate(ASK, server.url).startswith("blocked: TypeError")
+            assert metric(server, "pagedkv_requests_total") == before
+            context.close()
+        assert server.proc.returncode == 0
+
+
+def test_the_chat_page_asks_for_the_api_key(browser):
+    """With --api-key the page asks for the key once (a prompt), then chats with it."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    with ServerProcess("--model", "tiny", env=env, timeout=60, api_key="s3cret") as server:
+        problems, asked = [], []
+        context = browser.new_context()
+        page = context.new_page()
+        page.on("dialog", lambda d: (asked.append(d.message), d.accept("s3cret")))
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.goto(server.url + "/")
+        page.wait_for_selector("body[data-ready='1']", timeout=WAIT_MS)
+        assert page.text_content("#model") == "tiny-random-llama"
+        _send(page, "Hello", 20)
+        _answered(page)
+        assert not page.locator(".msg.error").count()
+        assert len(page.locator(".msg.assistant").last.text_content()) > 0
+        assert asked == ["This server needs its API key (--api-key):"]
+        context.close()
+        assert not problems, problems
+    assert server.proc.returncode == 0

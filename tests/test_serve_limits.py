@@ -29,6 +29,7 @@ ENV = {**os.environ,
 MODEL = "tiny-random-llama"
 TIMEOUT = 30.0
 READ_TIMEOUT = 1.5        # the server's --read-timeout in these tests
+MAX_BODY = 2_000_000      # and its --max-body
 JSON = {"Content-Type": "application/json"}
 
 
@@ -67,7 +68,7 @@ def _error(r, status: int, words: str) -> dict:
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess("--model", "tiny", "--prefix-caching", "--audit", "--num-blocks", 512,
-                       "--read-timeout", READ_TIMEOUT, "--max-body", 200_000,
+                       "--read-timeout", READ_TIMEOUT, "--max-body", MAX_BODY,
                        "--max-connections", 300, "--max-waiting", 256, env=ENV,
                        timeout=60) as s:
         yield s
@@ -182,6 +183,13 @@ BAD = [
     ("ignore_eos not a bool", dict(prompt="a", ignore_eos="yes"), 400, "ignore_eos must be"),
     ("min_tokens over max", dict(prompt="a", max_tokens=3, min_tokens=4), 400,
      "min_tokens must be an integer in [0, 3]"),
+    ("presence_penalty 100", dict(prompt="a", presence_penalty=100), 400,
+     "presence_penalty must be a number in [-2, 2], got 100"),
+    ("best_of 0", dict(prompt="a", best_of=0), 400, "best_of must be an integer in [n = 1"),
+    ("min_p 7", dict(prompt="a", min_p=7), 400, "min_p must be a number in [0, 1], got 7"),
+    ("min_p 0.1", dict(prompt="a", min_p=0.1), 400, "min_p = 0.1 is not supported"),
+    ("a long bad value", dict(prompt="a", temperature="t" * 190_000), 400,
+     "t... (190002 characters)"),
 ]
 
 
@@ -193,7 +201,7 @@ def test_bad_bodies(server, what, body, status, words):
         "/completions"
     r = httpx.post(server.base_url + endpoint, headers=JSON, timeout=TIMEOUT, **kw)
     err = _error(r, status, words)
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "invalid_request_error" and len(err["message"]) < 300
     _answers(server)
 
 
@@ -201,23 +209,23 @@ def test_a_body_too_large(server):
     """Declared too large: refused before it is read. Sent without a length (chunked):
     refused as it passes the limit."""
     r = httpx.post(server.base_url + "/completions", headers=JSON, timeout=TIMEOUT,
-                   content=b'{"prompt": "' + b"x" * 300_000 + b'"}')
-    _error(r, 413, "at most 200000")
+                   content=b'{"prompt": "' + b"x" * (MAX_BODY + 1000) + b'"}')
+    _error(r, 413, f"at most {MAX_BODY}")
 
     def chunks():
         yield b'{"prompt": "'
         for _ in range(50):
-            yield b"x" * 10_000
+            yield b"x" * (MAX_BODY // 40)
     r = httpx.post(server.base_url + "/completions", headers=JSON, timeout=TIMEOUT,
                    content=chunks())
-    _error(r, 413, "at most 200000")
+    _error(r, 413, f"at most {MAX_BODY}")
     _answers(server)
 
 
 def test_a_big_prompt_does_not_stall_the_others(server):
-    """A prompt near the body limit is parsed and tokenized off the event loop: a
-    stream that runs meanwhile keeps getting its chunks, and the prompt gets its 400
-    (longer than the context)."""
+    """A prompt as long as the context could hold at the tokenizer's most characters a
+    token is parsed and tokenized off the event loop: a stream that runs meanwhile keeps
+    getting its chunks, and the prompt gets its 400 (longer than the context)."""
     gaps, stop = [], threading.Event()
 
     def watch():
@@ -236,8 +244,8 @@ def test_a_big_prompt_does_not_stall_the_others(server):
     t.start()
     time.sleep(0.3)
     r = httpx.post(server.base_url + "/completions", headers=JSON, timeout=TIMEOUT,
-                   content=json.dumps(dict(model=MODEL, prompt="y" * 190_000)).encode())
-    _error(r, 400, "context")
+                   content=json.dumps(dict(model=MODEL, prompt="y" * 26_000)).encode())
+    _error(r, 400, "26000 tokens; the model's context is 2048")
     stop.set()
     t.join(TIMEOUT)
     assert len(gaps) > 10 and max(gaps[1:]) < 1.0, max(gaps)
@@ -317,21 +325,103 @@ def test_half_a_body_gets_408(server):
     _answers(server)
 
 
-def test_connections_beyond_the_limit_are_closed(server):
-    """300 connections are open (the limit): one more is closed at once; they close, and
-    the server answers again."""
-    held = [_connect(server) for _ in range(300)]
+def _response(s: socket.socket) -> bytes:
+    """One whole response (its head and Content-Length bytes) from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = s.recv(4096)
+        assert part, f"closed without a whole answer: {data[:200]}"
+        data += part
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(4096)
+    return head
+
+
+def test_a_kept_alive_connection_has_a_deadline_for_its_next_head(server):
+    """A hundred connections each ask a request every 0.6 s for longer than
+    --read-timeout (every answer arms the deadline again: none is closed meanwhile),
+    then send half a head: each is closed --read-timeout later, and the server answers
+    after."""
+    socks = [_connect(server) for _ in range(100)]
+    for i in range(4):                                     # 1.8 s > READ_TIMEOUT
+        time.sleep(0.6 * (i > 0))
+        for s in socks:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        for s in socks:
+            assert _response(s).startswith(b"HTTP/1.1 200")
+    for s in socks:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0")           # half a head
+        s.settimeout(READ_TIMEOUT + 5)
+    t = time.monotonic()
+    for s in socks:
+        assert s.recv(1024) == b""                  # closed by the server
+        s.close()
+    assert READ_TIMEOUT - 0.5 < time.monotonic() - t < READ_TIMEOUT + 2
+    _answers(server)
+
+
+def test_connections_beyond_the_limit_are_answered_503(server):
+    """300 connections are open (the limit): a request on one more is answered 503
+    (uvicorn's limit_concurrency; its plain text goes around the application); they
+    close, and the server answers again."""
+    held = [_connect(server) for _ in range(299)]
     time.sleep(0.3)
-    extra = _connect(server)
-    extra.settimeout(5)
-    try:
-        assert extra.recv(1) == b""
-    except ConnectionResetError:
-        pass
-    extra.close()
+    r = httpx.get(server.url + "/health", timeout=TIMEOUT)
+    assert r.status_code == 503 and r.text == "Service Unavailable", r.text
     for s in held:
         s.close()
     time.sleep(0.3)
+    _answers(server)
+
+
+def test_a_client_gone_mid_body_is_one_line_in_the_log(server):
+    """A client that closes its connection halfway through a body: one line in the log,
+    no traceback, and the server answers after."""
+    before = len(server.log())
+    s = _connect(server)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
+    time.sleep(0.2)
+    s.close()
+    end = time.monotonic() + 10
+    while "went away" not in server.log()[before:]:
+        assert time.monotonic() < end, server.log()[before:]
+        time.sleep(0.05)
+    time.sleep(0.2)
+    lines = [line for line in server.log()[before:].splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert "a client went away while sending POST /v1/completions (4 of 100 bytes came)" \
+        in lines[0]
+    _answers(server)
+
+
+def test_megabyte_prompts_are_refused_before_they_are_read(server):
+    """16 string prompts of 1 MiB at once, each more characters than the context could
+    hold at the tokenizer's most characters a token: all refused (400) within seconds,
+    untokenized, and a small request sent among them is answered within a second."""
+    url = server.base_url + "/completions"
+    big = json.dumps(dict(model=MODEL, prompt="z" * (1 << 20))).encode()
+
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            t0 = time.monotonic()
+            bigs = [asyncio.create_task(c.post(url, content=big, headers=JSON))
+                    for _ in range(16)]
+            await asyncio.sleep(0.05)
+            t = time.monotonic()
+            small = await c.post(url, json=dict(model=MODEL, prompt="abc", max_tokens=3,
+                                                temperature=0))
+            small_s = time.monotonic() - t
+            return small, small_s, await asyncio.gather(*bigs), time.monotonic() - t0
+    small, small_s, bigs, all_s = _run(main)
+    assert small.status_code == 200 and small_s < 1.0, (small.text, small_s)
+    for r in bigs:
+        err = _error(r, 400, "at least 80660 tokens")
+        assert err["code"] == "context_length_exceeded"
+    assert all_s < 5, all_s
     _answers(server)
 
 
@@ -390,27 +480,30 @@ def test_an_engine_that_keeps_failing_is_dead_and_the_process_exits_1():
 
 
 def test_a_dead_engine_answers_503_until_the_process_ends():
-    """In process: the loop dead, /health and the endpoints say 503 with the reason,
+    """In process: the engine dead, /health and the endpoints say 503 with the reason,
     /metrics still answers."""
     from starlette.testclient import TestClient
 
-    from pagedkv.model.engine import Engine
     from pagedkv.serve.app import create_app
-    from pagedkv.serve.loop import EngineLoop
+    from pagedkv.serve.client import EngineClient
+    from pagedkv.serve.messages import Dead
     from pagedkv.serve.models import load
-    served = load("tiny")
-    engine = Engine(served.model, num_blocks=64, stop_ids=[0])
-    loop = EngineLoop(engine, served.tokenizer).start()
+    from pagedkv.serve.start import EngineSpec, make_engine
+    from pagedkv.serve.transport import ThreadTransport
+    served = load("tiny", model=False)
+    transport = ThreadTransport(*make_engine(EngineSpec.of("tiny", num_blocks=64)))
+    client = EngineClient(transport, served.tokenizer).start()
     try:
-        loop._die("a test killed it")
-        client = TestClient(create_app(loop, served), base_url="http://127.0.0.1")
-        r = client.get("/health")
+        client.receive(Dead("a test killed it"))
+        app = TestClient(create_app(client, served), base_url="http://127.0.0.1")
+        r = app.get("/health")
         _error(r, 503, "a test killed it")
-        r = client.post("/v1/completions", json=dict(model=MODEL, prompt="a"))
+        r = app.post("/v1/completions", json=dict(model=MODEL, prompt="a"))
         _error(r, 503, "the engine is not running: a test killed it")
-        assert "pagedkv_engine_dead 1.0" in client.get("/metrics").text
+        assert r.headers["Retry-After"] == "1"
+        assert "pagedkv_engine_dead 1.0" in app.get("/metrics").text
     finally:
-        loop.stop()
+        client.stop()
 
 
 def test_sigterm_exits_0_after_stopping_the_loop():
@@ -428,15 +521,17 @@ def test_sigterm_exits_0_after_stopping_the_loop():
 
 
 def test_an_engine_process_that_is_killed_makes_the_server_exit_1():
-    """The engine runs in a child process (the default): kill it and the server says
-    503 on /health, fails the open request, and exits with status 1."""
+    """The engine runs in a child process (the default): kill it and the open requests
+    get 503 (a stream an error event), and the server exits with status 1."""
     import psutil
     s = ServerProcess("--model", "tiny", env=ENV, timeout=60).start()
     try:
-        body = dict(model=MODEL, prompt="a", max_tokens=1500, temperature=0, stream=True,
+        body = dict(model=MODEL, prompt="a", max_tokens=1500, temperature=0,
                     ignore_eos=True)
-        with httpx.stream("POST", s.base_url + "/completions", json=body,
-                          timeout=TIMEOUT) as r:
+        whole = concurrent.futures.ThreadPoolExecutor(1).submit(
+            httpx.post, s.base_url + "/completions", json=body, timeout=TIMEOUT)
+        with httpx.stream("POST", s.base_url + "/completions",
+                          json=dict(body, stream=True), timeout=TIMEOUT) as r:
             lines = r.iter_lines()
             next(x for x in lines if x.startswith("data: {"))
             (child,) = [p for p in psutil.Process(s.proc.pid).children()
@@ -444,6 +539,8 @@ def test_an_engine_process_that_is_killed_makes_the_server_exit_1():
             child.kill()
             rest = list(lines)
         assert any("the engine process ended" in line for line in rest), rest[-3:]
+        _error(whole.result(TIMEOUT), 503, "the engine is not running: the engine process "
+                                           "ended (exit status -9)")
         status = s.proc.wait(20)
     finally:
         s._kill()

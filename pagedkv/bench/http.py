@@ -14,7 +14,10 @@ token (TTFT: to the first chunk with text), the gaps between a request's content
 (ITL; a chunk may carry several tokens, their mean is reported) and time per output token
 (TPOT). Then, the server stopped, the same requests on the same engine options in this
 process (:func:`pagedkv.bench.serve.serve_pagedkv`), side by side. ``--ttft-probe``: lone
-requests (a 100-token prompt, 16 tokens) on the idle server.
+requests (a 100-token prompt, 16 tokens) on the idle server. ``--stream-interval 1 8``:
+the HTTP run once a server with each ``--stream-interval`` (tokens per streamed event),
+side by side; each run's ``tokens_per_chunk`` shows the interval at work, and its TTFT
+probe that the first token does not wait for it.
 """
 from __future__ import annotations
 
@@ -230,11 +233,13 @@ def pool_blocks(args, requests) -> int:
     return args.num_blocks or sum(cdiv(len(p) + o, 16) for _, p, o in requests) + 16
 
 
-def server_flags(args, requests) -> list:
+def server_flags(args, requests, interval: int = 1) -> list:
     """``python -m pagedkv.serve``'s flags for this workload: the pool sized for it, no
-    request turned away for waiting (``--max-waiting``), then the flags given for it."""
+    request turned away for waiting (``--max-waiting``), the stream interval, then the
+    flags given for it."""
     flags = ["--model", args.model, "--runner", args.runner, "--max-seqs", args.max_seqs,
-             "--num-blocks", pool_blocks(args, requests), "--max-waiting", len(requests)]
+             "--num-blocks", pool_blocks(args, requests), "--max-waiting", len(requests),
+             "--stream-interval", interval]
     if args.gguf:
         flags += ["--gguf", args.gguf]
     flags += ["--token-budget", args.token_budget]
@@ -270,9 +275,10 @@ def _engine_counters(url: str) -> dict:
             "step_seconds": got.get("step_seconds", float("nan"))}
 
 
-def _http(args, requests, r: dict) -> tuple:
-    """The HTTP half of :func:`run`: start the server (or use ``--url``), warm it up, send
-    the requests, probe; the server is stopped whatever happens. Returns (model, requests:
+def _http(args, requests, r: dict, interval: int) -> tuple:
+    """The HTTP half of :func:`run` at one stream interval: start the server (or use
+    ``--url``), warm it up, send the requests, probe; the server is stopped whatever
+    happens. Fills ``r`` (``http``, ``server_flags``, ...); returns (model, requests:
     their ids fitted to the model's vocabulary)."""
     from ..serve.models import ByteTokenizer
     from ..serve.process import ServerProcess, get_json
@@ -282,12 +288,13 @@ def _http(args, requests, r: dict) -> tuple:
         url, r["server_flags"] = args.url.rstrip("/"), "unknown (a running server, --url)"
         model = get_json(url + "/v1/models")["data"][0]["id"]
     else:
-        r["server_flags"] = server_flags(args, requests)
+        r["server_flags"] = server_flags(args, requests, interval)
         server = ServerProcess(*r["server_flags"], env=_env(), timeout=300).start()
         url, model = server.url, server.model
     vocab = ByteTokenizer.vocab_size if model == TINY else 10001   # (make_requests' ids)
     requests = [(a, [t % vocab for t in p], o) for a, p, o in requests]
-    print(f"{model} at {url}, {args.clients} client process(es)", flush=True)
+    print(f"{model} at {url}, {args.clients} client process(es), stream interval "
+          f"{interval}", flush=True)
     try:                       # warm-up, as bench.serve's: a few short requests first
         drive(url, model, [(0.0, [5 + i] * 20, 4) for i in range(4)], clients=1)
         bar = _progress(r["workload"]["output_tokens"], "http")
@@ -296,6 +303,7 @@ def _http(args, requests, r: dict) -> tuple:
         if bar is not None:
             bar.close()
         r["http"] = summarize(records)
+        r["http"]["stream_interval"] = interval
         after = _engine_counters(url)
         busy = after["step_seconds"] - before["step_seconds"]
         r["http"]["server"] = {"steps": after["steps"] - before["steps"],
@@ -327,7 +335,15 @@ def run(args) -> dict:
           f"{f'{args.rate} a second' if args.rate else 'all at once'}"
           f"{f', {args.concurrency} at a time' if args.concurrency else ''}; {asked} "
           f"output tokens", flush=True)
-    r["model"], requests = _http(args, requests, r)
+    runs = {}
+    for interval in args.stream_interval:          # (the first run's numbers on top)
+        runs[interval] = {"workload": r["workload"]}
+        r["model"], fitted = _http(args, requests, runs[interval], interval)
+        runs[interval].pop("workload")
+    requests = fitted
+    r.update(runs[args.stream_interval[0]])
+    if len(runs) > 1:
+        r["stream_intervals"] = {str(k): v for k, v in runs.items()}
     if args.no_engine:
         r["engine"] = "not run (--no-engine)"
     else:               # after the server has stopped (unless --url's runs on, idle)
@@ -357,11 +373,14 @@ def run(args) -> dict:
 
 
 def table(r: dict) -> str:
-    sides = [k for k in ("http", "engine") if isinstance(r.get(k), dict)]
+    sides = {f"http/{k}": v["http"] for k, v in r.get("stream_intervals", {}).items()} \
+        or {"http": r["http"]}
+    if isinstance(r.get("engine"), dict):
+        sides["engine"] = r["engine"]
     lines = [f"{'':20}" + "".join(f"{k:>12}" for k in sides)]
 
     def row(label, key, fmt="{:>12.1f}"):
-        lines.append(f"{label:20}" + "".join(fmt.format(key(r[k])) for k in sides))
+        lines.append(f"{label:20}" + "".join(fmt.format(key(v)) for v in sides.values()))
     row("output tokens/s", lambda e: e["output_tokens_per_s"])
     row("wall s", lambda e: e["wall_s"], "{:>12.2f}")
     row("completed", lambda e: e["completed"], "{:>12d}")
@@ -376,17 +395,20 @@ def table(r: dict) -> str:
     lines += [f"http error: {e}" for e in h["error_examples"]]
     if "server" in h:
         v = h["server"]
-        lines.append(f"http: {v['steps']:.0f} engine steps; the engine's thread spent "
+        lines.append(f"http: {v['steps']:.0f} engine steps; the engine's core spent "
                      f"{v['step_seconds']:.2f} s in them ({100 * v['step_share_of_wall']:.0f} "
                      f"% of the wall time)")
     lines += [f"{k}: while the long prompt is prefilled, the others' worst gap "
-              f"{r[k]['spike']['worst_itl_ms']:.1f} ms, "
-              f"{r[k]['spike']['worst_over_median']:.1f} x their median"
-              for k in sides if "spike" in r[k]]
-    if "ttft_probe" in r:
-        p = r["ttft_probe"]
-        lines.append(f"TTFT of a lone 100-token prompt, {p['n']} times: p50 {p['p50']:.2f} "
-                     f"ms, min {p['min']:.2f} ms, {p['errors']} errors")
+              f"{v['spike']['worst_itl_ms']:.1f} ms, "
+              f"{v['spike']['worst_over_median']:.1f} x their median"
+              for k, v in sides.items() if "spike" in v]
+    probes = {f"stream interval {k}": v["ttft_probe"]
+              for k, v in r.get("stream_intervals", {}).items() if "ttft_probe" in v} or \
+        ({"": r["ttft_probe"]} if "ttft_probe" in r else {})
+    for where, p in probes.items():
+        lines.append(f"TTFT of a lone 100-token prompt, {p['n']} times{', ' if where else ''}"
+                     f"{where}: p50 {p['p50']:.2f} ms, min {p['min']:.2f} ms, "
+                     f"{p['errors']} errors")
     lines.append(f"server: {flags if isinstance(flags, str) else ' '.join(flags)}")
     e = r["engine"]
     lines.append(f"engine: {e['run']}, {e['options']}, {e['preemptions']} preemptions"
@@ -418,6 +440,9 @@ def main(argv=None) -> int:
              "the server's; 0: no budget)")
     add("--ttft-probe", type=int, nargs="?", const=10, default=0, metavar="N",
         help="after the run, N lone requests on the idle server (default 10)")
+    add("--stream-interval", type=int, nargs="+", default=[1], metavar="N",
+        help="the server's tokens per streamed event; several (1 8): a run at each, side "
+             "by side (default 1)")
     add("--no-engine", action="store_true", help="skip the in-process run")
     add("--json", metavar="PATH", help="write every number to PATH")
     args, args.server_args = p.parse_known_args(argv)
@@ -429,6 +454,12 @@ def main(argv=None) -> int:
         p.error("--token-budget must be at least 0 (0: no budget)")
     if args.url and args.server_args:
         p.error(f"unknown with --url: {' '.join(args.server_args)}")
+    if min(args.stream_interval) < 1 or len(set(args.stream_interval)) < len(
+            args.stream_interval):
+        p.error(f"--stream-interval takes different numbers >= 1, got "
+                f"{' '.join(map(str, args.stream_interval))}")
+    if args.url and args.stream_interval != [1]:
+        p.error("--stream-interval is the server's: with --url, start it with it")
     if args.runner is None:
         from .. import backend
         args.runner = "fast" if backend.on_gpu else "plain"

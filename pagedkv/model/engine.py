@@ -131,9 +131,9 @@ class Engine:
         finished."""
         plan = self.scheduler.schedule()
         self.flight.append((plan, self.runner.launch(plan)))
-        keep = 0 if plan.draws.beams or not self.scheduler else self.depth
+        keep = 0 if plan.draws.beams else self.depth
         done = []
-        while len(self.flight) > keep:
+        while self.flight and (len(self.flight) > keep or not self.scheduler):
             plan, launched = self.flight.popleft()
             done += self.update(plan, self.runner.land(launched))
         return done

@@ -189,7 +189,10 @@ class ModelRunner:
             if greedy is not None and np.array_equal(rows, np.arange(len(greedy))):
                 return greedy
             return argmax_rows(logits[xp.asarray(rows)])
-        picked = logits[xp.asarray(rows)]              # a copy: banning is safe
+        if not ban.any() and np.array_equal(rows, np.arange(len(rows))):
+            picked = logits[:len(rows)]                # the pass's own rows: no copy
+        else:
+            picked = logits[xp.asarray(rows)]          # a copy: banning is safe
         if ban.any():
             banned = xp.asarray(np.flatnonzero(ban))
             picked[banned[:, None], xp.asarray(self.stop_ids)[None, :]] = -np.inf

@@ -13,7 +13,7 @@ from .memory import FREE_COLOR, PALETTE
 
 __all__ = ["draw_server", "draw_pool_maps", "POOL_STATES"]
 
-#: The characters of a pool map (:func:`pagedkv.serve.loop.pool_map`) seen from one
+#: The characters of a pool map (:func:`pagedkv.serve.pool.pool_map`) seen from one
 #: request, their names and colours.
 POOL_STATES = {".": ("free", FREE_COLOR), "c": ("cached, idle", "#9CCC65"),
                "m": ("this request's", PALETTE[0]), "s": ("shared with another", PALETTE[3]),

@@ -1,12 +1,16 @@
-"""The HTTP layer: it only translates. A request body becomes a :class:`~.loop.Job` for
-the engine loop; the loop's events become OpenAI chunks (server-sent events) or one JSON
+"""The HTTP layer: it only translates. A request body becomes a :class:`~.texts.Job` for the
+engine's client; the job's events become OpenAI chunks (server-sent events) or one JSON
 answer. A stream whose client goes away is cancelled, which frees its blocks.
 
-Nothing here waits without a deadline, and nothing slow runs on the event loop: a body is
-read within a time limit and a size limit (:mod:`.limits`), then parsed, checked and
-tokenized on a worker thread. Events cross from the engine's thread in batches (one
-wake-up of the event loop for everything a step produced), and a stream that falls behind
-sends what has piled up as one chunk rather than one chunk a token.
+Nothing on the event loop waits for the engine: a submit or a cancel is a message put in
+a queue (:mod:`.transport`), and the answer comes back as an event. Nothing here waits
+without a deadline either: a body is read within a time and a size limit
+(:mod:`.limits`); a request the engine has not answered, or a stream it has stopped
+feeding, ends when the client's watchdog says the engine has stalled (:mod:`.client`).
+Nothing slow runs on the event loop: a body is parsed, checked and tokenized on a worker
+thread (large bodies on one of their own, so that they never hold up the small ones).
+Events cross from the engine's side in batches, one wake-up of the event loop for all a
+step brought, and a stream that falls behind sends what has piled up as one chunk.
 """
 from __future__ import annotations
 
@@ -26,62 +30,68 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from . import metrics
-from .limits import Guard, Limits, read_body
-from .loop import Job
+from .limits import ClientGone, Limits, front_door, read_body
 from .protocol import ApiError, Ids, parse_body, parse_chat, parse_completion
+from .texts import Delta, Done, Failed, Job, PoolMap, Rejected
 
 __all__ = ["create_app", "Mailbox", "coalesce"]
 
 log = logging.getLogger("pagedkv.serve")
 STATIC = resources.files("pagedkv.serve") / "static"
 DISCONNECT_POLL = 0.25   # seconds between checks of a non-streaming request's client
-ANSWER_TIMEOUT = 60.0    # seconds for the engine to accept or refuse a request
 POOL_MAX_AGE = 0.25      # seconds a GET /pool answer is reused for other callers
+LARGE_BODY = 64 << 10    # bytes: a body this large is read by the large bodies' worker
+RETRY_AFTER = {"Retry-After": "1"}
 
 
-def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
+def _error(exc: ApiError) -> JSONResponse:
+    headers = RETRY_AFTER if exc.status in (429, 503) else None
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+def _server_error(message: str, status: int) -> ApiError:
+    return ApiError(message, status=status, kind="server_error")
+
+
 class Mailbox:
-    """Events from the engine's thread into one event loop, in order. The engine's thread
-    only appends to a list; the event loop is woken once for all that piled up (waking
-    it costs a system call, and a step makes an event for every request)."""
+    """Events into one event loop, in order, from another thread: that thread only
+    appends to a list; the event loop is woken once for all that piled up (waking it
+    costs a system call, and a step makes events for every request)."""
 
     def __init__(self, aloop):
         self.aloop, self.lock, self.pending = aloop, threading.Lock(), []
 
-    def put(self, queue: asyncio.Queue, event: dict) -> None:     # any thread
+    def put(self, queue: asyncio.Queue, events: list) -> None:   # any thread
         with self.lock:
-            self.pending.append((queue, event))
+            self.pending.append((queue, events))
             if len(self.pending) > 1:
                 return                          # a wake-up is on its way already
-        self.aloop.call_soon_threadsafe(self._deliver)
+        try:
+            self.aloop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:                    # the event loop has closed: nobody reads
+            log.debug("events for a closed event loop dropped")
 
     def _deliver(self) -> None:                 # the event loop
         with self.lock:
             batch, self.pending = self.pending, []
-        for queue, event in batch:
-            queue.put_nowait(event)
+        for queue, events in batch:
+            queue.put_nowait(events)
 
 
 class Channel:
-    """A job's events, carried from the engine's thread into this event loop."""
+    """A job's events, carried into this event loop."""
 
     def __init__(self, mailbox: Mailbox):
         self.mailbox, self.queue = mailbox, asyncio.Queue()
 
-    def emit(self, event: dict) -> None:       # called on the engine's thread
-        self.mailbox.put(self.queue, event)
+    def put(self, events: list) -> None:        # the job's emit: the engine's side
+        self.mailbox.put(self.queue, events)
 
-    async def get(self) -> dict:
-        return await self.queue.get()
-
-    async def get_all(self) -> list:
-        """The next event and every one already waiting behind it."""
-        events = [await self.queue.get()]
+    async def get(self) -> list:
+        """The events that wait (at least one list's)."""
+        events = list(await self.queue.get())
         while not self.queue.empty():
-            events.append(self.queue.get_nowait())
+            events += self.queue.get_nowait()
         return events
 
 
@@ -91,10 +101,9 @@ def coalesce(events: list) -> list:
     out = []
     for ev in events:
         last = out[-1] if out else None
-        if ev["type"] == "delta" and last is not None and last["type"] == "delta" and \
-                last["index"] == ev["index"] and last["finish_reason"] is None:
-            out[-1] = dict(last, text=last["text"] + ev["text"],
-                           finish_reason=ev["finish_reason"])
+        if isinstance(ev, Delta) and isinstance(last, Delta) and \
+                last.index == ev.index and last.finish_reason is None:
+            out[-1] = Delta(ev.index, last.text + ev.text, ev.finish_reason)
         else:
             out.append(ev)
     return out
@@ -104,15 +113,42 @@ def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-def create_app(loop, served, limits: Limits | None = None, *, audit: bool = False):
-    """The application over a started :class:`~.loop.EngineLoop` and its
-    :class:`~.models.Served` model, behind the front door's checks (:class:`Limits`).
-    ``audit``: ``GET /pool`` runs the pool's audit too (O(blocks), on the engine's
-    thread)."""
+def sse_chunks(events, ids: Ids, include_usage: bool, started: set) -> tuple:
+    """A stream's events as (bytes to send, whether the stream has ended). The last
+    chunk carries the request's ``timings`` (the usage chunk, if asked for)."""
+    chunks, end, done = [], False, b""
+    for ev in coalesce(events):
+        if isinstance(ev, Delta):
+            choice = ids.delta_choice(ev.index, ev.text, ev.finish_reason,
+                                      ev.index not in started)
+            started.add(ev.index)
+            chunks.append(ids.chunk([choice]))
+        elif isinstance(ev, PoolMap):
+            chunks.append(ids.chunk([], pool=ev.pool))
+        elif isinstance(ev, Failed):
+            chunks.append(_server_error(ev.message, ev.status).body())
+            end = True
+            break
+        elif isinstance(ev, Done):
+            if include_usage or not chunks or not chunks[-1]["choices"]:
+                chunks.append(ids.chunk([], usage=ev.usage if include_usage else None))
+            chunks[-1]["timings"] = ev.timings
+            end, done = True, b"data: [DONE]\n\n"
+            break
+    return b"".join(map(_sse, chunks)) + done, end
+
+
+def create_app(client, served, limits: Limits | None = None, *, audit: bool = False):
+    """The application over a started :class:`~.client.EngineClient` and its
+    :class:`~.models.Served` model, behind the front door (:func:`~.limits.front_door`).
+    ``audit``: ``GET /pool`` runs the pool's audit too (O(blocks), where the engine
+    runs)."""
     limits = limits or Limits()
-    registry = metrics.registry_for(loop)
-    parsing = ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse")
+    registry = metrics.registry_for(client)
+    parsers = (ThreadPoolExecutor(2, thread_name_prefix="pagedkv-parse"),
+               ThreadPoolExecutor(1, thread_name_prefix="pagedkv-parse-large"))
     mailboxes: dict = {}
+    answer_timeout = client.stall_timeout + 10   # (the watchdog answers first)
 
     def mailbox() -> Mailbox:
         aloop = asyncio.get_running_loop()
@@ -120,10 +156,6 @@ def create_app(loop, served, limits: Limits | None = None, *, audit: bool = Fals
         if box is None:
             box = mailboxes[aloop] = Mailbox(aloop)
         return box
-
-    def dead_error() -> ApiError:
-        return ApiError(f"the engine is not running: {loop.dead}", status=503,
-                        kind="server_error")
 
     def read(parse, raw: bytes):
         """On a worker thread: the body parsed, checked against the model, tokenized."""
@@ -133,116 +165,91 @@ def create_app(loop, served, limits: Limits | None = None, *, audit: bool = Fals
             raise
         except Exception as exc:  # noqa: BLE001 (a bug: the request fails, cleanly)
             log.exception("reading a request failed")
-            raise ApiError(f"the server could not read the request: {exc}", status=500,
-                           kind="server_error") from None
+            raise _server_error(f"the server could not read the request: {exc}",
+                                500) from None
 
-    async def start(spec):
-        """Submit the job; wait (bounded) for the engine's answer: accepted or refused."""
-        if loop.stopping:
-            raise ApiError("the server is shutting down", status=503, kind="server_error")
-        if loop.dead:
-            raise dead_error()
+    async def start(spec, arrived: float):
+        """Submit the job; wait for the engine's answer: accepted or refused."""
         channel = Channel(mailbox())
-        job = Job(spec.prompt, spec.params, channel.emit, spec.stop, spec.want_pool,
-                  spec.stream)
-        loop.submit(job)
+        job = Job(spec.prompt, spec.params, channel.put, spec.stop, spec.want_pool,
+                  spec.stream, arrived=arrived)
+        refused = client.submit(job)            # (never waits)
         try:
-            first = await asyncio.wait_for(channel.get(), ANSWER_TIMEOUT)
+            first = [refused] if refused is not None else \
+                await asyncio.wait_for(channel.get(), answer_timeout)
         except (asyncio.CancelledError, asyncio.TimeoutError) as exc:
-            loop.cancel(job)                    # (queued after the submit: runs after it)
+            client.cancel(job)
             if isinstance(exc, asyncio.CancelledError):
                 raise                           # the client went away first
-            raise ApiError(f"the engine did not answer within {ANSWER_TIMEOUT:g} s",
-                           status=503, kind="server_error") from None
-        if first["type"] == "rejected":
+            raise _server_error(f"the engine did not answer within {answer_timeout:g} s",
+                                503) from None
+        if isinstance(first[0], Rejected):
+            r = first[0]
             kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(
-                first["status"], "server_error")
-            raise ApiError(first["message"], first["param"], first["status"], kind=kind)
-        return job, channel
+                r.status, "server_error")
+            raise ApiError(r.message, r.param, r.status, kind=kind)
+        return job, channel, first[1:]
 
-    async def stream(job, channel, ids, spec):
+    async def stream(job, channel, ids, spec, events):
         started, cancelled = set(), True
         try:
             while True:
-                out = []
-                for ev in coalesce(await channel.get_all()):
-                    if ev["type"] == "delta":
-                        first = ev["index"] not in started
-                        started.add(ev["index"])
-                        choice = ids.delta_choice(ev["index"], ev["text"],
-                                                  ev["finish_reason"], first)
-                        out.append(_sse(ids.chunk([choice])))
-                    elif ev["type"] == "pool":
-                        out.append(_sse(ids.chunk([], pool=ev["pool"])))
-                    elif ev["type"] == "error":
-                        cancelled = False
-                        out.append(_sse(ApiError(ev["message"], status=500,
-                                                 kind="server_error").body()))
-                        yield b"".join(out)
-                        return
-                    elif ev["type"] == "done":
-                        cancelled = False
-                        if ev.get("cancelled"):          # (the server is stopping)
-                            out.append(_sse(ApiError("the server is shutting down",
-                                                     status=503, kind="server_error").body()))
-                        else:
-                            if spec.include_usage:
-                                out.append(_sse(ids.chunk([], usage=ev["usage"])))
-                            out.append(b"data: [DONE]\n\n")
-                        yield b"".join(out)
-                        return
+                out, end = sse_chunks(events, ids, spec.include_usage, started)
                 if out:
-                    yield b"".join(out)
+                    yield out
+                if end:
+                    cancelled = False
+                    return
+                events = await channel.get()
         finally:                                # the client went away mid-stream
             if cancelled:
-                loop.cancel(job)
+                client.cancel(job)
 
-    async def collect(request, job, channel, ids):
+    async def collect(request, job, channel, ids, events):
         n = job.params.n
         texts, reasons = [""] * n, [None] * n
         checked = time.monotonic()
         try:
             while True:
+                for ev in events:
+                    if isinstance(ev, Delta):
+                        texts[ev.index] += ev.text
+                        reasons[ev.index] = ev.finish_reason or reasons[ev.index]
+                    elif isinstance(ev, Failed):
+                        return _error(_server_error(ev.message, ev.status))
+                    elif isinstance(ev, Done):
+                        return JSONResponse(ids.whole(texts, reasons, ev.usage, ev.timings))
                 try:
-                    ev = await asyncio.wait_for(channel.get(), DISCONNECT_POLL)
+                    events = await asyncio.wait_for(channel.get(), DISCONNECT_POLL)
                 except asyncio.TimeoutError:
-                    ev = None
+                    events = []
                 if time.monotonic() - checked >= DISCONNECT_POLL:
                     checked = time.monotonic()
                     if await request.is_disconnected():     # nobody is waiting for it
-                        loop.cancel(job)
+                        client.cancel(job)
                         return Response(status_code=499)
-                if ev is None or ev["type"] == "pool":
-                    continue
-                if ev["type"] == "delta":
-                    texts[ev["index"]] += ev["text"]
-                    reasons[ev["index"]] = ev["finish_reason"] or reasons[ev["index"]]
-                elif ev["type"] == "error":
-                    return _error(ApiError(ev["message"], status=500, kind="server_error"))
-                elif ev.get("cancelled"):
-                    return _error(ApiError("the server is shutting down", status=503,
-                                           kind="server_error"))
-                elif ev["type"] == "done":
-                    return JSONResponse(ids.whole(texts, reasons, ev["usage"]))
         except asyncio.CancelledError:
-            loop.cancel(job)
+            client.cancel(job)
             raise
 
     async def generate(request: Request, parse):
+        arrived = time.monotonic()
         try:
             raw = await read_body(request, limits)
-            spec = await asyncio.get_running_loop().run_in_executor(parsing, read, parse,
+            parser = parsers[len(raw) > LARGE_BODY]
+            spec = await asyncio.get_running_loop().run_in_executor(parser, read, parse,
                                                                     raw)
-            job, channel = await start(spec)
+            job, channel, events = await start(spec, arrived)
         except ApiError as exc:
-            retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
-            return _error(exc, retry)
+            return _error(exc)
+        except ClientGone:
+            return Response(status_code=499)    # (nobody reads it)
         ids = Ids(spec.kind, served.name)
         if spec.stream:
-            return StreamingResponse(stream(job, channel, ids, spec),
+            return StreamingResponse(stream(job, channel, ids, spec, events),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await collect(request, job, channel, ids)
+        return await collect(request, job, channel, ids, events)
 
     async def completions(request):
         return await generate(request, parse_completion)
@@ -256,27 +263,27 @@ def create_app(loop, served, limits: Limits | None = None, *, audit: bool = Fals
              "max_model_len": served.context}]})
 
     async def health(request):
-        """200 while the engine serves; 503, with the reason, once it cannot."""
-        if loop.dead or not loop.alive:
-            return _error(dead_error() if loop.dead else ApiError(
-                "the engine loop is not running", status=503, kind="server_error"))
+        """200 while the engine serves; 503, with the reason, while it is stalled, once
+        it is dead, and while the server stops."""
+        problem = client.health()
+        if problem is not None:
+            return _error(_server_error(problem, 503))
         return JSONResponse({"status": "ok"})
 
     last_look = {"at": -1e9, "answer": None}
 
     async def pool(request):
-        """The pool, read on the engine's thread at most every POOL_MAX_AGE seconds
+        """The pool, read where the engine runs at most every POOL_MAX_AGE seconds
         however many clients ask (every other caller gets the same answer)."""
         now = time.monotonic()
         if last_look["answer"] is None or now - last_look["at"] > POOL_MAX_AGE:
-            last_look.update(at=now, answer=asyncio.wrap_future(loop.pool(audit)))
+            last_look.update(at=now, answer=asyncio.wrap_future(client.pool(audit)))
         try:
             answer = await asyncio.wait_for(asyncio.shield(last_look["answer"]),
-                                            ANSWER_TIMEOUT)
+                                            answer_timeout)
         except (RuntimeError, asyncio.TimeoutError) as exc:
             last_look["answer"] = None
-            return _error(ApiError(f"the engine did not answer: {exc}", status=503,
-                                   kind="server_error"))
+            return _error(_server_error(f"the engine did not answer: {exc}", 503))
         return JSONResponse(answer)
 
     async def prometheus(request):
@@ -301,19 +308,19 @@ def create_app(loop, served, limits: Limits | None = None, *, audit: bool = Fals
         Route("/metrics", prometheus),
         Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
     ])
-    return Guard(_Alive(app, loop, dead_error), limits)
+    return front_door(_Alive(app, client), limits)
 
 
 class _Alive:
     """ASGI middleware: once the engine is dead, every endpoint but ``/metrics`` (and
     ``/health``, which says why) answers 503."""
 
-    def __init__(self, app, loop, dead_error):
-        self.app, self.loop, self.dead_error = app, loop, dead_error
+    def __init__(self, app, client):
+        self.app, self.client = app, client
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.loop.dead and \
+        if scope["type"] == "http" and self.client.dead and \
                 scope["path"] not in ("/metrics", "/health"):
-            await _error(self.dead_error())(scope, receive, send)
+            await _error(_server_error(self.client.health(), 503))(scope, receive, send)
             return
         await self.app(scope, receive, send)

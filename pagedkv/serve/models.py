@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..model.tokenizer import DEFAULT_SYSTEM
+from .protocol import ROLES
 
-__all__ = ["Served", "ByteTokenizer", "chat_text", "chat_ids", "load", "TINY_CONFIG",
+__all__ = ["ROLES", "Served", "ByteTokenizer", "chat_text", "chat_ids", "load", "TINY_CONFIG",
            "TINY_SEED"]
 
-ROLES = ("system", "user", "assistant")
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1, 2
 TINY_SEED = 2024
 
@@ -110,12 +110,19 @@ TINY_CONFIG = None  # built on first use (importing the model package costs time
 
 @dataclass
 class Served:
-    """A model with its tokenizer, under the name clients ask for."""
+    """A model with its tokenizer, under the name clients ask for. ``max_token_chars``:
+    the most characters one token stands for (its longest entry), so that a text of
+    ``c`` characters has at least ``c / max_token_chars`` tokens."""
     name: str
     model: object          # a pagedkv.model.Llama (None: the tokenizer only)
     tokenizer: object      # encode(text), decode(ids), eos_id
     context: int
     vocab_size: int
+    max_token_chars: int
+
+    def chat_ids(self, turns) -> list:
+        """The prompt's ids for a conversation (:func:`chat_ids`)."""
+        return chat_ids(self.tokenizer, turns)
 
 
 def load(which: str = "smollm2", gguf: str | None = None, *, model: bool = True) -> Served:
@@ -130,11 +137,14 @@ def load(which: str = "smollm2", gguf: str | None = None, *, model: bool = True)
     if which == "tiny":
         c = TINY_CONFIG = TINY_CONFIG or _tiny_config()
         llama = Llama(c, random_weights(c, TINY_SEED), xp=np) if model else None
-        return Served("tiny-random-llama", llama, ByteTokenizer(), c.context, c.vocab_size)
+        return Served("tiny-random-llama", llama, ByteTokenizer(), c.context, c.vocab_size,
+                      max(map(len, SPECIALS)))
     if which != "smollm2":
         raise ConfigError(f"--model must be 'smollm2' or 'tiny', got {which!r}")
     ckpt = load_gguf(gguf, weights=model)
     tok = Tokenizer.from_checkpoint(ckpt)
     llama = Llama(ckpt.config, ckpt.weights) if model else None
+    # (a byte-level BPE entry spells one byte a character, and a character is a byte or
+    # more: no token stands for more characters than its entry has)
     return Served("SmolLM2-135M-Instruct", llama, tok, ckpt.config.context,
-                  ckpt.config.vocab_size)
+                  ckpt.config.vocab_size, max(map(len, ckpt.tokens)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -25,8 +26,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def get_json(url: str, timeout: float = 10.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def get_json(url: str, timeout: float = 10.0, api_key: str | None = None):
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -36,15 +39,20 @@ class ServerProcess:
     :meth:`start` returns once ``GET /v1/models`` answers (or raises, with the server's
     log, if it exits or takes longer than ``timeout`` seconds); :meth:`stop` sends SIGINT,
     as Ctrl-C does, and returns the exit status. A context manager does both.
+    ``api_key``: the server's ``--api-key``, given to it in its environment
+    (``$PAGEDKV_API_KEY``: a command line is visible to every user of the machine).
     """
 
     def __init__(self, *args, python: str = sys.executable, env: dict | None = None,
                  host: str = "127.0.0.1", port: int | None = None, timeout: float = 60.0,
-                 cwd: str | None = None):
+                 cwd: str | None = None, api_key: str | None = None):
         self.host, self.port = host, port or free_port(host)
         self.cmd = [python, "-m", "pagedkv.serve", "--host", host, "--port",
                     str(self.port), *map(str, args)]
+        if api_key is not None:
+            env = {**(os.environ if env is None else env), "PAGEDKV_API_KEY": api_key}
         self.env, self.timeout, self.cwd, self.proc = env, timeout, cwd, None
+        self.api_key = api_key
         self._log = tempfile.TemporaryFile(mode="w+")
 
     @property
@@ -70,7 +78,8 @@ class ServerProcess:
                 raise PagedKVError(f"the server exited with status {self.proc.returncode}:"
                                    f"\n{self.log()}")
             try:
-                self.model = get_json(self.url + "/v1/models", 2)["data"][0]["id"]
+                self.model = get_json(self.url + "/v1/models", 2,
+                                      self.api_key)["data"][0]["id"]
                 return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(0.1)

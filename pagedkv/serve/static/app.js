@@ -7,6 +7,26 @@ const KIND = { ".": "free", "c": "cached", "m": "mine", "s": "shared", "o": "oth
                "u": "others" };
 const $ = (id) => document.getElementById(id);
 let model = null, history = [], busy = false, peakShared = 0;
+let apiKey = sessionStorage.getItem("pagedkv-api-key");
+
+async function api(path, options, ask) {
+  // fetch with the server's API key, if it has one; with ask, a 401 asks for the key once
+  const call = () => {
+    const headers = Object.assign({}, (options || {}).headers);
+    if (apiKey) headers["Authorization"] = "Bearer " + apiKey;
+    return fetch(path, Object.assign({}, options, { headers: headers }));
+  };
+  let r = await call();
+  if (r.status === 401 && ask) {
+    const key = window.prompt("This server needs its API key (--api-key):");
+    if (key) {
+      apiKey = key;
+      sessionStorage.setItem("pagedkv-api-key", key);
+      r = await call();
+    }
+  }
+  return r;
+}
 
 function drawPool(map) {
   const pool = $("pool");
@@ -31,7 +51,7 @@ function drawPool(map) {
 async function refreshPool() {
   if (busy) return;
   try {
-    const r = await fetch("/pool");
+    const r = await api("/pool");
     if (r.ok && !busy) {
       const p = await r.json();
       drawPool(p.blocks.replace(/s/g, "o"));   // between answers nothing is this chat's
@@ -82,9 +102,9 @@ async function send(text) {
     temperature: parseFloat($("temperature").value),
   };
   try {
-    const r = await fetch("/v1/chat/completions", {
+    const r = await api("/v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(body) });
+      body: JSON.stringify(body) }, true);
     if (!r.ok) {
       const err = await r.json();
       answer.className = "msg error";
@@ -135,7 +155,7 @@ $("new-chat").addEventListener("click", () => {
   $("messages").textContent = "";
 });
 
-fetch("/v1/models").then((r) => r.json()).then((m) => {
+api("/v1/models", {}, true).then((r) => r.json()).then((m) => {
   model = m.data[0].id;
   $("model").textContent = model;
   document.body.dataset.ready = "1";
