@@ -27,7 +27,7 @@ import numpy as np
 from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import (DTYPE_CODES, allow_dynamic_smem, check_decode, contiguous_on_device,
+from ._common import (DTYPE_CODES, dtype_name, allow_dynamic_smem, check_decode, contiguous_on_device,
                       fn_attr, is_cupy, kernel, load_source, sm_count, to_dtype)
 from .pdl import launch
 from .reference import decode_numpy
@@ -315,7 +315,7 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, *, scale=None, out=
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     res = decode_numpy(q, cache, np.asarray(block_tables), np.asarray(seq_lens), scale,
                        int(num_splits or 1), kv_dtype)
-    res = to_dtype(res, kv_dtype, q)
+    res = to_dtype(res, dtype_name(q), q)
     if out is None:
         return res
     out[...] = res

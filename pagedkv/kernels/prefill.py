@@ -29,7 +29,7 @@ import numpy as np
 from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import (DTYPE_CODES, PREFILL_HEAD_DIMS, allow_dynamic_smem, check_prefill,
+from ._common import (DTYPE_CODES, dtype_name, PREFILL_HEAD_DIMS, allow_dynamic_smem, check_prefill,
                       contiguous_on_device, fn_attr, is_cupy, kernel, load_source, to_dtype)
 from .reference import prefill_numpy
 
@@ -188,7 +188,7 @@ def paged_prefill_attention(q, cache, block_tables, query_start, seq_lens, *, sc
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     res = prefill_numpy(q, cache, np.asarray(block_tables), np.asarray(query_start),
                         np.asarray(seq_lens), scale, kv_dtype)
-    res = to_dtype(res, kv_dtype, q)
+    res = to_dtype(res, dtype_name(q), q)
     if out is None:
         return res
     out[...] = res
