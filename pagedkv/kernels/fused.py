@@ -73,6 +73,9 @@ def rope_write_kv(qkv, positions, slots, cos, sin, q_out, cache, q_heads: int,
     """
     d = q_out.shape[2]
     if is_cupy(qkv) and isinstance(cache, Cache8):
+        if d % 64 or d > 256:
+            raise ConfigError(f"rope_write_kv writes an int8 cache for head_dim a multiple "
+                              f"of 64 up to 256, got {d}")
         _fn("rope_write_kv8", qkv)(                       # a warp per k or v head row
             (qkv.shape[0],), (128,),
             (qkv, positions, slots, cos, sin, q_out, cache.raw, np.int32(q_heads),

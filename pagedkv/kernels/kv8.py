@@ -157,5 +157,6 @@ def dequantize_cache(cache: Cache8, dtype=np.float64) -> np.ndarray:
     nb, _, bs, h, d = cache.shape
     runs = values.reshape(nb, 2, bs, h, -1, NUMS_PER_SCALE)
     per = np.moveaxis(scales, -1, 1)[..., None]                  # [nb, 2, bs, h, g, 1]
-    return (runs * per).reshape(nb, 2, bs, h, d)
+    with np.errstate(invalid="ignore", over="ignore"):    # unwritten slots may hold junk
+        return (runs * per).reshape(nb, 2, bs, h, d)
 
