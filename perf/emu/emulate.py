@@ -566,6 +566,32 @@ def main():
         print(f"norm_gemv_rope {np.dtype(dtype).name} rows {m} bs{bs} (seed {7100 + i}): "
               f"{'the same bits as' if same else 'NOT the bits of'} norm_gemv_t + "
               f"rope_write_kv, rel err {err:.2e} to NumPy{'' if ok else '  FAIL'}")
+    from pagedkv.kernels import write_kv
+    for i, (dtype, d, g, bs, tc) in enumerate([("float16", 64, 3, 16, False),
+                                               ("float16", 64, 3, 16, True),
+                                               ("bfloat16", 128, 6, 8, True)]):
+        rng = rng_for(7200 + i)                     # the int8 cache: decode on both kernels
+        q, cache, tables, lens = make_case(rng, [1, 40, 150], 2 * g, 2, d, bs, dtype,
+                                           max_blocks=160 // bs)
+        c8 = Cache8.zeros(cache.shape[0], bs, 2, d, np)
+        c8.raw[...] = rng.integers(0, 256, c8.raw.shape)
+        for b, n in enumerate(lens):
+            t = np.arange(n)
+            sl = (tables[b, t // bs] * bs + t % bs).astype(np.int32)
+            write_kv(c8, cache[sl // bs, 0, sl % bs], cache[sl // bs, 1, sl % bs], sl)
+        err = rel_err(run_decode(q, c8, tables, lens, tensor_cores=tc, num_splits=2)
+                      .astype(np.float64), paged_decode_attention_ref(q, c8, tables, lens))
+        bad += not err < 1e-2
+        print(f"int8 cache, decode on {'tensor' if tc else 'CUDA'} cores ({dtype} d{d} g{g} "
+              f"bs{bs}, 2 splits): rel err {err:.2e}{'' if err < 1e-2 else '  FAIL'}")
+    for i, (dtype, m, bs) in enumerate([(np.float16, 1, 16), (np.float16, 2, 32),
+                                        (np.float32, 8, 16)]):
+        same, err = check_norm_gemv_rope8(dtype, m, bs, seed=7300 + i)
+        ok = same and err < (1e-2 if dtype == np.float16 else 1e-5)
+        bad += not ok
+        print(f"norm_gemv_rope8 {np.dtype(dtype).name} rows {m} bs{bs}: "
+              f"{'the same bits as' if same else 'NOT the bits of'} norm_gemv_t + "
+              f"rope_write_kv8, rel err {err:.2e} to NumPy{'' if ok else '  FAIL'}")
     return 1 if bad else 0
 
 
