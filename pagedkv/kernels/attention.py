@@ -321,7 +321,9 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, *, scale=None, out=
     pieces handled in parallel and merged after (flash-decoding); by default it is chosen from
     batch × kv_heads against the GPU's size (and is 1 on NumPy). ``tensor_cores`` picks the GPU
     kernel (None: automatic, see :func:`decode_plan`). uint16 arrays are taken as bfloat16 bits
-    (for CuPy builds without a bfloat16 dtype). ``out`` may be given.
+    (for CuPy builds without a bfloat16 dtype). ``out`` may be given. ``cache`` may be an int8
+    :class:`~pagedkv.kernels.kv8.Cache8`; ``q`` and ``out`` then have any float dtype (on a
+    GPU: float16 or bfloat16, or float32 on the CUDA-core kernel).
 
     On NumPy arrays the kernel's algorithm runs in NumPy (float32 arithmetic) and checks lengths
     and table entries; on CuPy arrays they are trusted (checking them would stall the GPU).
