@@ -56,15 +56,21 @@ class KVSpec:
         return np.dtype(self.dtype).itemsize
 
     @property
+    def scale_bytes(self) -> int:
+        """The int8 cache's scales of one token, all layers (0 for any other dtype)."""
+        if not self.quantized:
+            return 0
+        return 2 * self.layers * self.kv_heads * self.head_dim // NUMS_PER_SCALE * SCALE_BYTES
+
+    @property
     def row_bytes(self) -> int:
         """One kv head's K (or V) of one token: its numbers, and its scales if any."""
-        scales = self.head_dim // NUMS_PER_SCALE * SCALE_BYTES if self.quantized else 0
-        return self.head_dim * self.itemsize + scales
+        return self.bytes_per_token // (2 * self.layers * self.kv_heads)
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token, all layers."""
-        return 2 * self.layers * self.kv_heads * self.row_bytes
+        """K and V of one token, all layers (and with an int8 cache, their scales)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize + self.scale_bytes
 
     def block_bytes(self, block_size: int) -> int:
         """One block of ``block_size`` tokens, all layers."""
