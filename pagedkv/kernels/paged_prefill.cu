@@ -110,10 +110,9 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     constexpr int ROW_VECS8 = HEAD_DIM / 16;      // 16-byte chunks in one int8 row
     constexpr int RUNS = HEAD_DIM / 32;           // scale pairs (4 bytes) of a row
     constexpr int CHUNKS8 = KV_TILE * ROW_VECS8 / THREADS;
-    constexpr int PAIRS8 = KV_TILE * RUNS / THREADS;       // scale pairs a thread copies
+    constexpr int PAIRS8 = (KV_TILE * RUNS + THREADS - 1) / THREADS;   // pairs a thread copies
     constexpr int SLOT8 = 2 * KV_TILE * HEAD_DIM + KV_TILE * RUNS * 4;   // bytes
-    static_assert(!KV8 || (CHUNKS8 * THREADS == KV_TILE * ROW_VECS8
-                           && PAIRS8 * THREADS == KV_TILE * RUNS), "whole copies per thread");
+    static_assert(!KV8 || CHUNKS8 * THREADS == KV_TILE * ROW_VECS8, "whole copies per thread");
     extern __shared__ __align__(16) unsigned short smem[];
     unsigned short* tile16 = smem + STAGES * SLOT8 / 2;     // KV8: the DT tile
 
@@ -234,15 +233,17 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
                        ok ? src + BLOCK_SIZE * row_stride : cache, ok);                  \
         }                                                                                \
         _Pragma("unroll") for (int ci = 0; ci < PAIRS8; ++ci) {                          \
-            const int c = threadIdx.x + THREADS * ci, r = c / RUNS, g = c % RUNS;        \
+            const int c = threadIdx.x + THREADS * ci, g = c % RUNS;                      \
+            const int r = min(c / RUNS, KV_TILE - 1);   /* (every lane shuffles) */      \
             const int t = (tile_) * KV_TILE + r;                                         \
             const bool ok = t < kv_end;                                                  \
             const int bk = __shfl_sync(0xffffffffu, blk,                                 \
                                        ((tile_) * KV_TILE % BLOCK_SIZE + r) / BLOCK_SIZE); \
             const char* src = pairs + (long long)bk * block_vecs * 16                    \
                               + (t % BLOCK_SIZE) * pair_row + 4 * g;                     \
-            cp_async4(dst + 2 * KV_TILE * HEAD_DIM + 4 * c, ok ? src : (const char*)cache, \
-                      ok);                                                               \
+            if (c < KV_TILE * RUNS)                                                      \
+                cp_async4(dst + 2 * KV_TILE * HEAD_DIM + 4 * c,                          \
+                          ok ? src : (const char*)cache, ok);                            \
         }                                                                                \
     }
 
