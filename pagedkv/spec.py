@@ -78,3 +78,8 @@ class KVSpec:
 
     def tokens_that_fit(self, nbytes: int) -> int:
         return int(nbytes) // self.bytes_per_token
+
+    def blocks_that_fit(self, nbytes: int, block_size: int) -> int:
+        """Whole blocks of ``block_size`` tokens in ``nbytes``: a pool's ``num_blocks`` for
+        a memory budget (an int8 cache gets about 1.9 times float16's)."""
+        return int(nbytes) // self.block_bytes(block_size)

@@ -115,6 +115,8 @@ def test_spec_counts_numbers_and_scales():
     gib = 2**30
     assert i8.tokens_that_fit(gib) / f16.tokens_that_fit(gib) == pytest.approx(23040 / 12240,
                                                                                 rel=1e-4)
+    assert i8.blocks_that_fit(gib, 16) == gib // (16 * 12_240)
+    assert f16.blocks_that_fit(gib, 16) == gib // (16 * 23_040)
     with pytest.raises(ConfigError, match="multiple of 32"):
         KVSpec(2, 2, 48, "int8")
 
