@@ -13,11 +13,13 @@ from dataclasses import dataclass, fields, replace
 from .checks import count, is_int, positive_int
 from .errors import ConfigError
 
-__all__ = ["SamplingParams", "EngineConfig", "RUNNERS", "BOOKKEEPINGS", "PREEMPTIONS"]
+__all__ = ["SamplingParams", "EngineConfig", "RUNNERS", "BOOKKEEPINGS", "PREEMPTIONS",
+           "KV_DTYPES"]
 
 RUNNERS = ("plain", "fast", "fast-eager")
 BOOKKEEPINGS = ("teaching", "fast")
 PREEMPTIONS = ("recompute", "swap")
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8")   # float ones: the model's own only
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,9 @@ class EngineConfig:
 
     * the pool: ``num_blocks`` blocks of ``block_size`` tokens; ``bookkeeping`` ``"teaching"``
       (the chapters' core) or ``"fast"`` (:mod:`pagedkv.fast`); ``prefix_caching`` keeps
-      full blocks findable by their tokens after their sequence leaves;
+      full blocks findable by their tokens after their sequence leaves; ``kv_dtype`` None
+      (K/V in the model's dtype) or ``"int8"`` (the 8-bit cache of
+      :mod:`pagedkv.kernels.kv8`: about half the bytes a token, so a block costs half);
     * who runs: at most ``max_seqs`` sequences at once; a step computes at most
       ``token_budget`` tokens (None: no budget), decodes first, and with ``chunked_prefill``
       a prompt that does not fit what is left is prefilled a chunk a step; admission keeps
@@ -107,6 +111,7 @@ class EngineConfig:
     token_budget: int | None = None
     chunked_prefill: bool = True
     overlap: bool | None = None
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         positive_int(self.num_blocks, "num_blocks")
@@ -124,6 +129,8 @@ class EngineConfig:
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ConfigError(f"overlap must be True, False or None (on where the runner is "
                               f"a fast one on a GPU), got {self.overlap!r}")
+        if self.kv_dtype is not None:
+            _one_of(self.kv_dtype, KV_DTYPES, "kv_dtype (None: the model's dtype)")
         _one_of(self.preemption, PREEMPTIONS, "preemption")
         _one_of(self.runner, RUNNERS, "runner")
         _one_of(self.bookkeeping, BOOKKEEPINGS, "bookkeeping")

@@ -34,8 +34,10 @@ def instances(quick: bool):
             for g in ((4, 8) if quick else range(1, 9)):
                 for bs in ((16,) if quick else (8, 16, 32)):
                     prod.append(attention.cuda_core_name(dt, d, g, bs))
+                    prod.append(attention.cuda_core_name(dt, d, g, bs, kv8=True))   # int8 K/V
                     if dt:
                         tc.append(attention.tensor_core_name(dt, d, g, bs))
+                        tc.append(attention.tensor_core_name(dt, d, g, bs, kv8=True))
     prod += [f"merge_splits<{dt}>" for dt in dts]
     out.append(("paged_decode.cu", prod))
     out.append(("paged_decode_tc.cu", tc))
@@ -59,6 +61,7 @@ def prefill_instances(quick: bool):
             for g in ((3, 8) if quick else range(1, _common.MAX_GROUP + 1)):
                 for bs in ((16,) if quick else _common.BLOCK_SIZES):
                     names.append(prefill.prefill_name(dt, d, g, bs))
+                    names.append(prefill.prefill_name(dt, d, g, bs, kv8=True))   # int8 K/V
     for dt, d, g in ((1, 64, 3), (2, 128, 4)):
         names += [prefill.prefill_name(dt, d, g, 16, c) for c in PREFILL_SWEEP[d]]
     return names

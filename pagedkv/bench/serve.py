@@ -15,6 +15,18 @@ and the preemptions. When ``transformers`` is importable the same requests go th
 continuous-batching manager in the same process (per-request ``max_new_tokens``, end token
 disabled, its warm-up excluded, per-token timestamps recorded), and the two are printed side
 by side. ``--json PATH`` writes everything with the command, machine and date.
+
+**The floor** (:func:`floor`): the least time the device could take for this workload. Its
+decodes read, over the requests, sum(prompt x output + output^2 / 2) tokens of K/V (each decode
+step of a request reads its whole past) at the cache's bytes a token; every step reads the
+weights once; the prefills compute (:func:`prefill_flop`) 2 FLOP per weight of the layers a
+prompt token, attention's products over each token's past, and the output head once a
+prompt. The bytes go at the
+bandwidth of a large copy measured in the same process (device to device on a GPU; a NumPy
+copy in host memory on a CPU: read and written bytes counted), the FLOP at the rate of a large
+matrix multiply measured there too (float16 on a GPU, float32 on a CPU). The run's wall time
+over the floor says how far from the hardware's pace it is. ``--kv-dtype int8`` serves from
+the 8-bit cache (:mod:`pagedkv.kernels.kv8`), whose floor is lower.
 """
 from __future__ import annotations
 
@@ -39,6 +51,7 @@ from ..model.timeline import attach, busy_seconds
 
 __all__ = ["make_requests", "spike_requests", "spike", "workload", "workload_arguments",
            "check_workload", "options", "serve_pagedkv", "serve_transformers", "latency",
+           "floor", "decode_kv_tokens", "prefill_flop", "copy_bandwidth", "matmul_rate",
            "main"]
 
 PERCENTILES = (50, 90, 99)
@@ -114,7 +127,7 @@ def _engine(model, requests, args) -> Engine:
                   stop_ids=(), runner=runner, max_context=longest if fast else None,
                   bookkeeping="fast" if fast else "teaching",
                   token_budget=args.token_budget, prefill_chunk=args.token_budget or 2048,
-                  overlap=args.overlap)
+                  overlap=args.overlap, kv_dtype=getattr(args, "kv_dtype", None))
 
 
 def _warm_up(engine: Engine, vocab: int) -> None:
@@ -133,7 +146,7 @@ def options(**given) -> argparse.Namespace:
     steps of the
     timeline kept for a plot)."""
     o = argparse.Namespace(token_budget=2048, max_seqs=256, blocks=0, runner=None,
-                           overlap=None, trace=0)
+                           overlap=None, trace=0, kv_dtype=None)
     for key, value in given.items():
         if not hasattr(o, key):
             raise ConfigError(f"unknown option {key!r}; choose from {sorted(vars(o))}")
@@ -199,8 +212,120 @@ def serve_pagedkv(model, requests, args, progress=None, on_step=None,
     out.update(steps=steps, peak_blocks=peak, num_blocks=engine.memory.manager.allocator.num_blocks,
                preemptions=engine.memory.counts.preemptions, runner=type(engine.runner).__name__,
                token_budget=args.token_budget, max_seqs=args.max_seqs,
-               overlap=engine.depth > 0)
+               overlap=engine.depth > 0, kv_dtype=engine.runner.kv.spec.dtype,
+               kv_bytes_per_token=engine.runner.kv.spec.bytes_per_token,
+               weight_bytes=model.weight_bytes)
     return out
+
+
+# ---------------------------------------------------------------------- the floor
+
+def decode_kv_tokens(requests) -> float:
+    """Tokens of K/V the decodes of ``requests`` read: each of a request's ``output`` steps
+    reads its past, ``prompt + k`` tokens at step k, about ``prompt x output + output^2 / 2``
+    in all (the formula, summed over the requests)."""
+    return float(sum(len(p) * o + o * o / 2 for _, p, o in requests))
+
+
+def prefill_flop(requests, config) -> float:
+    """The prefills' arithmetic (a model of ``config``, a
+    :class:`~pagedkv.model.gguf.LlamaConfig`): every prompt token through the layers' weights
+    (2 FLOP each), its attention over its past and itself (q.k and p.v: 4 x heads x head_dim
+    FLOP a key), and the output head (2 x vocab x hidden) for a prompt's last token only."""
+    c = config
+    layer_weights = c.layers * (c.hidden * c.head_dim * (2 * c.heads + 2 * c.kv_heads)
+                                + 3 * c.hidden * c.ffn)       # q, k, v, o; gate, up, down
+    attention = 4 * c.layers * c.heads * c.head_dim
+    flop = 0.0
+    for _, p, _ in requests:
+        n = len(p)
+        flop += 2.0 * layer_weights * n + attention * n * (n + 1) / 2
+        flop += 2.0 * c.vocab_size * c.hidden
+    return flop
+
+
+def floor(requests, *, kv_bytes_per_token: int, weight_bytes: int, steps: int,
+          prefill_flop: float, copy_bytes_per_s: float, flop_per_s: float) -> dict:
+    """The least time the device could serve ``requests`` in: the K/V its decodes read and
+    the weights each of ``steps`` reads, at ``copy_bytes_per_s``; the prefills'
+    ``prefill_flop`` at ``flop_per_s``. Seconds, bytes and FLOP, and the output tokens a
+    second at the floor."""
+    kv = decode_kv_tokens(requests) * kv_bytes_per_token
+    weights = float(steps) * weight_bytes
+    flop = float(prefill_flop)
+    bytes_s, flop_s = (kv + weights) / copy_bytes_per_s, flop / flop_per_s
+    out = sum(o for *_, o in requests)
+    return {"kv_bytes": kv, "weight_bytes": weights, "prefill_flop": flop,
+            "bytes_s": bytes_s, "prefill_s": flop_s, "floor_s": bytes_s + flop_s,
+            "output_tokens_per_s": out / (bytes_s + flop_s),
+            "kv_share": kv / (kv + weights) if kv + weights else 0.0}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeat: int = 5) -> dict:
+    """Bytes a second a large copy moves (read and written bytes counted), the best of
+    ``repeat``: device to device on a GPU (``nbytes``), a NumPy copy in host memory on a CPU
+    (at most 256 MiB)."""
+    xp = backend.xp
+    if not backend.on_gpu:
+        nbytes = min(nbytes, 1 << 28)
+    a = xp.ones(nbytes // 4, np.float32)
+    b = xp.empty_like(a)
+    best = float("inf")
+    for _ in range(repeat + 1):                      # the first one warms up
+        backend.synchronize()
+        t0 = time.perf_counter()
+        b[...] = a
+        backend.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    what = ("device-to-device copy (CuPy)" if backend.on_gpu
+            else "NumPy copy in host memory (a CPU: not a GPU's bandwidth)")
+    return {"bytes_per_s": 2 * a.nbytes / best, "bytes": int(a.nbytes), "how": what}
+
+
+def matmul_rate(n: int | None = None, repeat: int = 3) -> dict:
+    """FLOP a second of a large square matrix multiply, the best of ``repeat``: float16
+    ``n`` = 8192 on a GPU, float32 ``n`` = 1024 on a CPU."""
+    xp = backend.xp
+    dtype = np.float16 if backend.on_gpu else np.float32
+    n = n or (8192 if backend.on_gpu else 1024)
+    a = xp.ones((n, n), dtype)
+    b = xp.ones((n, n), dtype)
+    best = float("inf")
+    for _ in range(repeat + 1):
+        backend.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        backend.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    what = f"{np.dtype(dtype).name} {n} x {n} matmul ({'CuPy' if backend.on_gpu else 'NumPy'})"
+    return {"flop_per_s": 2.0 * n ** 3 / best, "n": n, "how": what}
+
+
+def run_floor(requests, p: dict, config, copy=None, rate=None) -> dict:
+    """:func:`floor` for a pagedkv run ``p`` (its steps, the cache's bytes a token, the
+    weights), with the bandwidth and rate measured now unless given; and the run's wall
+    time over it."""
+    copy = copy or copy_bandwidth()
+    rate = rate or matmul_rate()
+    f = floor(requests, kv_bytes_per_token=p["kv_bytes_per_token"],
+              weight_bytes=p["weight_bytes"], steps=p["steps"],
+              prefill_flop=prefill_flop(requests, config),
+              copy_bytes_per_s=copy["bytes_per_s"], flop_per_s=rate["flop_per_s"])
+    f.update(copy=copy, matmul=rate, run_wall_s=p["wall_s"],
+             run_over_floor=p["wall_s"] / f["floor_s"])
+    return f
+
+
+def floor_lines(f: dict) -> list:
+    """The floor, said in two lines."""
+    tb = 1e12
+    return [f"floor: K/V {f['kv_bytes'] / tb:.3g} TB + weights {f['weight_bytes'] / tb:.3g} TB "
+            f"at {f['copy']['bytes_per_s'] / tb:.3g} TB/s ({f['copy']['how']}, measured) = "
+            f"{f['bytes_s']:.3g} s; prefill {f['prefill_flop'] / tb:.3g} TFLOP at "
+            f"{f['matmul']['flop_per_s'] / tb:.3g} TFLOP/s ({f['matmul']['how']}, measured) = "
+            f"{f['prefill_s']:.3g} s",
+            f"floor {f['floor_s']:.3g} s ({f['output_tokens_per_s']:,.0f} output tokens/s); "
+            f"this run {f['run_wall_s']:.3g} s = {f['run_over_floor']:.2f} x the floor"]
 
 
 # ---------------------------------------------------------------------- transformers
@@ -332,6 +457,7 @@ def run(args) -> dict:
     r["pagedkv"] = serve_pagedkv(model, requests, args, bar)
     if bar is not None:
         bar.close()
+    r["floor"] = run_floor(requests, r["pagedkv"], model.config)
     _save(r, args)                         # what is measured so far, if the peer fails
     if args.no_peer:
         r["transformers"] = "not run (--no-peer)"
@@ -390,7 +516,10 @@ def table(r: dict) -> str:
                  f"waited {tl['host_wait_s']:.2f} s; overlap {'on' if p['overlap'] else 'off'}")
     lines.append(f"pagedkv: {p['steps']} steps, peak {p['peak_blocks']} of "
                  f"{p['num_blocks']} blocks, {p['preemptions']} preemptions, "
-                 f"token budget {p['token_budget']}, {p['runner']}")
+                 f"token budget {p['token_budget']}, {p['runner']}, "
+                 f"{p.get('kv_dtype', '?')} K/V")
+    if "floor" in r:
+        lines += floor_lines(r["floor"])
     for k in ("transformers",):
         if not isinstance(r.get(k), dict):
             lines.append(f"{k}: {r.get(k)}")
@@ -413,6 +542,8 @@ def main(argv=None) -> int:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="plan each step while the device runs the one before (auto: on "
                         "where the runner is a fast one on a GPU)")
+    p.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto",
+                   help="the K/V cache: the model's dtype (auto) or the 8-bit cache")
     p.add_argument("--trace", type=int, default=0, metavar="STEPS",
                    help="keep this many steps of the host/GPU timeline in the JSON")
     p.add_argument("--keep-stamps", action="store_true",
@@ -429,6 +560,7 @@ def main(argv=None) -> int:
         p.error("--token-budget must be at least 0")
     args.token_budget = args.token_budget or None
     args.overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+    args.kv_dtype = None if args.kv_dtype == "auto" else args.kv_dtype
     args.argv = argv
     r = run(args)
     print(table(r))

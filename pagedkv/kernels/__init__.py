@@ -9,6 +9,8 @@ used when no GPU is present.
   tokens per sequence through the page tables, on tensor cores) and ``prefill_plan``;
 * :mod:`pagedkv.kernels.reference` — the NumPy references: gather-then-attend, the float64
   oracles, and the kernels' algorithms in NumPy;
+* :mod:`pagedkv.kernels.kv8` — the 8-bit cache (``Cache8``: int8 numbers, a float16 scale per
+  32), which every kernel above writes and reads as well;
 * :mod:`pagedkv.kernels.staircase` — chapter 9's seven steps from a plain loop to tensor cores.
 """
 from .attention import DecodePlan, choose_num_splits, decode_plan, paged_decode_attention

@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import backend
 from ..errors import ConfigError
+from .kv8 import INT8, is_cache8, read_rows
 
 try:  # NumPy has no bfloat16; ml_dtypes gives the references one.
     import ml_dtypes
@@ -24,6 +25,9 @@ except ImportError:  # pragma: no cover - ml_dtypes is a test/notebook dependenc
 
 #: The dtypes the kernels accept, and the number each one has inside the CUDA templates.
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+#: The attention kernels' last template argument: what the cache holds. 0: numbers of the
+#: query's dtype (DT); 1: int8 numbers with float16 scales (pagedkv.kernels.kv8).
+KV_CODES = {"same": 0, INT8: 1}
 
 #: What the attention kernels are compiled for: head sizes, block (page) sizes, and up to
 #: MAX_GROUP query heads per kv head.
@@ -69,7 +73,10 @@ def contiguous_on_device(a):
 
 
 def is_cupy(a) -> bool:
-    """True for a CuPy array (only possible when the backend found a GPU)."""
+    """True for a CuPy array, or an int8 cache on CuPy (only possible when the backend found
+    a GPU)."""
+    if is_cache8(a):
+        a = a.raw
     return backend.on_gpu and isinstance(a, backend.xp.ndarray)
 
 
@@ -81,7 +88,10 @@ def check_int32(a, name: str, ndim: int):
 
 
 def check_cache(cache) -> str:
-    """A one-layer cache is [num_blocks, 2, block_size, kv_heads, head_dim], C-contiguous."""
+    """A one-layer cache is [num_blocks, 2, block_size, kv_heads, head_dim], C-contiguous, or
+    a :class:`~pagedkv.kernels.kv8.Cache8` of that shape (then the dtype is ``"int8"``)."""
+    if is_cache8(cache):
+        return INT8
     if cache.ndim != 5 or cache.shape[1] != 2:
         raise ConfigError("cache must have shape [num_blocks, 2, block_size, kv_heads, head_dim], "
                           f"got {tuple(cache.shape)}")
@@ -98,7 +108,9 @@ def _check_q(q, cache, rows: str, head_dims, what: str):
     if q.ndim != 3:
         raise ConfigError(f"q must have shape [{rows}, q_heads, head_dim], got "
                           f"{tuple(q.shape)}")
-    if q.dtype != cache.dtype:
+    if kv_dtype == INT8:
+        dtype_name(q)                     # an int8 cache serves a query of any float dtype
+    elif q.dtype != cache.dtype:
         raise ConfigError(f"q has dtype {q.dtype}, the cache {cache.dtype}")
     _, _, block_size, kv_heads, head_dim = cache.shape
     _, q_heads, qd = q.shape
@@ -199,11 +211,23 @@ def check_prefill_lengths(q, cache, block_tables, query_start, seq_lens):
 
 
 def as_float(a, dtype: str) -> np.ndarray:
-    """A NumPy float64 copy of an array of any supported dtype (bf16 may arrive as uint16 bits)."""
+    """A NumPy float64 copy of an array of any supported dtype (bf16 may arrive as uint16
+    bits); an int8 cache dequantized."""
+    if is_cache8(a):
+        from .kv8 import dequantize_cache
+        return dequantize_cache(a, np.float64)
     a = backend.to_numpy(a)
     if dtype == "bfloat16" and a.dtype == np.uint16:
         a = a.view(BF16)
     return a.astype(np.float64)
+
+
+def read_kv(cache, blocks, offsets, kv: int, kv_dtype: str) -> np.ndarray:
+    """float32 K (``kv`` 0) or V (1) rows ``cache[blocks, kv, offsets]`` (index arrays that
+    broadcast), ``[..., kv_heads, head_dim]``: widened, or dequantized from an int8 cache."""
+    if kv_dtype == INT8:
+        return read_rows(cache, blocks, offsets, kv)
+    return as_float(cache[blocks, kv, offsets], kv_dtype).astype(np.float32)
 
 
 def to_dtype(a: np.ndarray, dtype: str, like) -> np.ndarray:

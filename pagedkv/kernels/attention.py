@@ -11,6 +11,9 @@ CUDA kernels, on NumPy arrays it runs :func:`~pagedkv.kernels.reference.decode_n
   :data:`TENSOR_CORE_MIN_GROUP` (5), where the arithmetic, not memory, would limit the
   CUDA-core kernel.
 
+Both read an int8 cache too (:class:`~pagedkv.kernels.kv8.Cache8`, template argument ``KV8``:
+half the bytes, scaled as they are read); ``q`` and ``out`` then have the model's dtype.
+
 Shapes: ``q`` ``[batch, q_heads, head_dim]``; ``cache`` ``[num_blocks, 2, block_size, kv_heads,
 head_dim]``; ``block_tables`` int32 ``[batch, max_blocks]``; ``seq_lens`` int32 ``[batch]``.
 ``q_heads`` is a multiple ``group`` (1–8) of ``kv_heads``: query head ``i`` reads kv head
@@ -27,8 +30,9 @@ import numpy as np
 from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import (DTYPE_CODES, allow_dynamic_smem, check_decode, contiguous_on_device,
+from ._common import (DTYPE_CODES, INT8, dtype_name, allow_dynamic_smem, check_decode, contiguous_on_device,
                       fn_attr, is_cupy, kernel, load_source, sm_count, to_dtype)
+from .kv8 import Cache8
 from .pdl import launch
 from .reference import decode_numpy
 
@@ -41,17 +45,26 @@ __all__ = ["paged_decode_attention", "decode_plan", "DecodePlan", "choose_num_sp
 TENSOR_CORE_MIN_GROUP = 5
 
 
-def uses_tensor_cores(kv_dtype: str, group: int) -> bool:
-    """The automatic choice: tensor cores for float16/bfloat16 with ``group`` query heads per kv
-    head at least :data:`TENSOR_CORE_MIN_GROUP`; CUDA cores otherwise."""
-    return kv_dtype in ("float16", "bfloat16") and group >= TENSOR_CORE_MIN_GROUP
+def uses_tensor_cores(kv_dtype: str, group: int, q_dtype: str | None = None) -> bool:
+    """The automatic choice: tensor cores for float16/bfloat16 (or an int8 cache read by a
+    float16/bfloat16 ``q_dtype``) with ``group`` query heads per kv head at least
+    :data:`TENSOR_CORE_MIN_GROUP`; CUDA cores otherwise."""
+    sixteen = ("float16", "bfloat16")
+    if kv_dtype == INT8:
+        return (q_dtype or "float16") in sixteen and group >= TENSOR_CORE_MIN_GROUP
+    return kv_dtype in sixteen and group >= TENSOR_CORE_MIN_GROUP
 
 
 # --------------------------------------------------------------------------- kernel names
 
+def _per_vec(kv_dtype: str) -> int:
+    """Numbers of the cache in one 16-byte load."""
+    return {"float32": 4, INT8: 16}.get(kv_dtype, 8)
+
+
 def _chunks(kv_dtype: str, head_dim: int, chunks: int) -> int:
     """16-byte chunks of a head row per thread (the CUDA-core kernel's NV; 0 = as few as fit)."""
-    row_vecs = head_dim // (4 if kv_dtype == "float32" else 8)
+    row_vecs = head_dim // _per_vec(kv_dtype)
     return chunks or (1 if row_vecs < 32 else row_vecs // 32)
 
 
@@ -61,8 +74,9 @@ def cuda_core_config(group: int, kv_dtype: str, head_dim: int):
     Chosen from the H200 sweep in perf/LOG.md: two 16-byte chunks per thread (so 8 threads share
     a 128-dim fp16 row and the score needs 3 shuffle rounds, not 4), two tokens per group per
     tile, a ring of two tiles. Groups of 5–8 heads keep one chunk (registers would spill).
+    An int8 cache takes one chunk (16 numbers: as many as two chunks of float16).
     """
-    chunks = 2 if group <= 4 else 0
+    chunks = 2 if group <= 4 and kv_dtype != INT8 else 0
     stages = 2 if group <= 4 else 3
     nv = _chunks(kv_dtype, head_dim, chunks)
     while stages > 1 and _cc_smem(kv_dtype, head_dim, 4, 2, stages, nv) > 48 * 1024:
@@ -71,16 +85,25 @@ def cuda_core_config(group: int, kv_dtype: str, head_dim: int):
 
 
 def _cc_smem(kv_dtype, head_dim, nwarps, unroll, stages, nv) -> int:
-    """Static shared memory of one CUDA-core CTA: the load ring plus the warp-merge arrays."""
-    return stages * unroll * 2 * nv * nwarps * 32 * 16 + nwarps * (head_dim + 2) * 4
+    """Static shared memory of one CUDA-core CTA: the load ring (with an int8 cache, and its
+    ring of 4-byte scale pairs) plus the warp-merge arrays."""
+    pairs = stages * unroll * nv * nwarps * 32 * 4 if kv_dtype == INT8 else 0
+    return stages * unroll * 2 * nv * nwarps * 32 * 16 + pairs + nwarps * (head_dim + 2) * 4
 
 
-def cuda_core_name(dt: int, head_dim: int, group: int, block_size: int, config=None) -> str:
-    """The template instance of ``paged_decode`` for these parameters (default config)."""
-    kv_dtype = [k for k, v in DTYPE_CODES.items() if v == dt][0]
+def _kv8_arg(kv8: bool) -> str:
+    """The templates' last argument, written only for an int8 cache (KV8 = 1)."""
+    return ", 1" if kv8 else ""
+
+
+def cuda_core_name(dt: int, head_dim: int, group: int, block_size: int, config=None,
+                   kv8: bool = False) -> str:
+    """The template instance of ``paged_decode`` for these parameters (default config);
+    ``dt`` is q's dtype code, ``kv8`` an int8 cache."""
+    kv_dtype = INT8 if kv8 else [k for k, v in DTYPE_CODES.items() if v == dt][0]
     nwarps, unroll, stages, nv = config or cuda_core_config(group, kv_dtype, head_dim)
     return (f"paged_decode<{dt}, {head_dim}, {group}, {block_size}, {nwarps}, {unroll}, "
-            f"{stages}, {nv}>")
+            f"{stages}, {nv}{_kv8_arg(kv8)}>")
 
 
 def tensor_core_config(head_dim: int):
@@ -88,15 +111,21 @@ def tensor_core_config(head_dim: int):
     return 4, (3 if head_dim <= 128 else 2)
 
 
-def _tc_smem(head_dim: int, nwarps: int, stages: int) -> int:
+def _tc_smem(head_dim: int, nwarps: int, stages: int, kv8: bool = False) -> int:
     """Dynamic shared memory of one tensor-core CTA: per warp, STAGES tiles of 16 K and 16 V
-    rows of head_dim + 8 two-byte numbers."""
-    return nwarps * stages * 2 * 16 * (head_dim + 8) * 2
+    rows of head_dim + 8 two-byte numbers; with an int8 cache, STAGES tiles of int8 rows and
+    their scale pairs, and one tile of two-byte numbers."""
+    tile16 = 2 * 16 * (head_dim + 8) * 2
+    if kv8:
+        return nwarps * (stages * (2 * 16 * head_dim + 16 * head_dim // 32 * 4) + tile16)
+    return nwarps * stages * tile16
 
 
-def tensor_core_name(dt: int, head_dim: int, group: int, block_size: int, config=None) -> str:
+def tensor_core_name(dt: int, head_dim: int, group: int, block_size: int, config=None,
+                     kv8: bool = False) -> str:
     nwarps, stages = config or tensor_core_config(head_dim)
-    return f"paged_decode_tc<{dt}, {head_dim}, {group}, {block_size}, {nwarps}, {stages}>"
+    return (f"paged_decode_tc<{dt}, {head_dim}, {group}, {block_size}, {nwarps}, {stages}"
+            f"{_kv8_arg(kv8)}>")
 
 
 # --------------------------------------------------------------------------- splits
@@ -188,7 +217,8 @@ class DecodePlan:
         else:
             part_o = part_lse = out                      # unused by the kernel
         launch(self._fn, (self.num_splits, kv_heads, batch), (self.threads,),
-               (q, cache, block_tables, seq_lens, out, part_o, part_lse, np.int32(kv_heads),
+               (q, cache.raw if isinstance(cache, Cache8) else cache, block_tables, seq_lens,
+                out, part_o, part_lse, np.int32(kv_heads),
                 np.int32(block_tables.shape[1]), np.int32(self.split_tokens),
                 np.float32(scale * 1.4426950408889634)),   # log2(e): the kernels use exp2
                shared_mem=self.smem_bytes if self.path == "tensor-cores" else 0)
@@ -213,31 +243,34 @@ def decode_plan(q, cache, block_tables, *, num_splits=None, tensor_cores=None,
 def _choose(q, cache, block_tables, kv_dtype, num_splits, tensor_cores, config=None):
     if num_splits is not None and int(num_splits) < 1:
         raise ConfigError(f"num_splits must be ≥ 1, got {num_splits}")
-    group = q.shape[1] // cache.shape[3]
+    group, q_dtype = q.shape[1] // cache.shape[3], dtype_name(q)
     if tensor_cores is None:
-        tensor_cores = uses_tensor_cores(kv_dtype, group)
-    elif tensor_cores and kv_dtype == "float32":
+        tensor_cores = uses_tensor_cores(kv_dtype, group, q_dtype)
+    elif tensor_cores and q_dtype == "float32":
         raise ConfigError("the tensor-core kernel takes float16 or bfloat16, got float32")
     return _plan(tuple(q.shape), tuple(cache.shape), kv_dtype, int(block_tables.shape[1]),
                  None if num_splits is None else int(num_splits), bool(tensor_cores),
-                 None if config is None else tuple(config))
+                 None if config is None else tuple(config), q_dtype)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(q_shape, cache_shape, kv_dtype, max_blocks, num_splits, tensor_cores, config):
+def _plan(q_shape, cache_shape, kv_dtype, max_blocks, num_splits, tensor_cores, config,
+          q_dtype=None):
     batch, q_heads, _ = q_shape
     _, _, bs, kv_heads, d = cache_shape
-    group, code = q_heads // kv_heads, DTYPE_CODES[kv_dtype]
+    kv8 = kv_dtype == INT8
+    group, code = q_heads // kv_heads, DTYPE_CODES[q_dtype or kv_dtype]
     if tensor_cores:
         nwarps, stages = config or tensor_core_config(d)
-        name, source = tensor_core_name(code, d, group, bs, (nwarps, stages)), "paged_decode_tc.cu"
-        smem, tile = _tc_smem(d, nwarps, stages), nwarps * 16
+        name = tensor_core_name(code, d, group, bs, (nwarps, stages), kv8)
+        source = "paged_decode_tc.cu"
+        smem, tile = _tc_smem(d, nwarps, stages, kv8), nwarps * 16
     else:
         nwarps, unroll, stages, nv = config or cuda_core_config(group, kv_dtype, d)
         nv = _chunks(kv_dtype, d, nv)
-        name = cuda_core_name(code, d, group, bs, (nwarps, unroll, stages, nv))
+        name = cuda_core_name(code, d, group, bs, (nwarps, unroll, stages, nv), kv8)
         source, smem = "paged_decode.cu", _cc_smem(kv_dtype, d, nwarps, unroll, stages, nv)
-        tpt = d // (4 if kv_dtype == "float32" else 8) // nv   # threads per token group
+        tpt = d // _per_vec(kv_dtype) // nv                  # threads per token group
         tile = nwarps * (32 // tpt) * unroll                    # tokens per tile
     fn = kernel(load_source(source), name)
     if tensor_cores:
@@ -288,7 +321,9 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, *, scale=None, out=
     pieces handled in parallel and merged after (flash-decoding); by default it is chosen from
     batch × kv_heads against the GPU's size (and is 1 on NumPy). ``tensor_cores`` picks the GPU
     kernel (None: automatic, see :func:`decode_plan`). uint16 arrays are taken as bfloat16 bits
-    (for CuPy builds without a bfloat16 dtype). ``out`` may be given.
+    (for CuPy builds without a bfloat16 dtype). ``out`` may be given. ``cache`` may be an int8
+    :class:`~pagedkv.kernels.kv8.Cache8`; ``q`` and ``out`` then have any float dtype (on a
+    GPU: float16 or bfloat16, or float32 on the CUDA-core kernel).
 
     On NumPy arrays the kernel's algorithm runs in NumPy (float32 arithmetic) and checks lengths
     and table entries; on CuPy arrays they are trusted (checking them would stall the GPU).
@@ -315,7 +350,7 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, *, scale=None, out=
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     res = decode_numpy(q, cache, np.asarray(block_tables), np.asarray(seq_lens), scale,
                        int(num_splits or 1), kv_dtype)
-    res = to_dtype(res, kv_dtype, q)
+    res = to_dtype(res, dtype_name(q), q)
     if out is None:
         return res
     out[...] = res

@@ -7,6 +7,10 @@ Layout (shared with the memory manager): one layer's cache is an array
 A *slot* is ``block * block_size + offset``. The slot rule, the same on NumPy and CuPy: a
 negative slot is padding and is skipped (−1 by convention); a slot at or past
 ``num_blocks * block_size`` raises :class:`~pagedkv.errors.ConfigError` and nothing is written.
+
+An int8 cache (:class:`~pagedkv.kernels.kv8.Cache8`) takes the same calls: ``write_kv``
+quantizes as it writes (``write_kv8`` in ``fused.cu``: a warp per head row finds its runs'
+largest numbers, then rounds), ``copy_blocks`` copies its blocks' bytes, scales and all.
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ import numpy as np
 from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import check_cache, check_int32, is_cupy, kernel
+from ._common import (DTYPE_CODES, INT8, check_cache, check_int32, dtype_name, is_cupy, kernel,
+                      load_source)
+from .kv8 import Cache8, store_rows
 
 __all__ = ["write_kv", "write_kv_ref", "copy_blocks", "copy_blocks_ref", "CACHE_OPS_SOURCE"]
 
@@ -102,7 +108,9 @@ def _check_write(cache, k, v, slot_mapping):
         if a.ndim != 3 or tuple(a.shape[1:]) != (kv_heads, head_dim):
             raise ConfigError(f"{name} must have shape [tokens, {kv_heads}, {head_dim}] to match "
                               f"the cache, got {tuple(a.shape)}")
-        if a.dtype != cache.dtype:
+        if dtype == INT8:
+            dtype_name(a)                 # int8 caches quantize any float dtype
+        elif a.dtype != cache.dtype:
             raise ConfigError(f"{name} has dtype {a.dtype}, the cache {cache.dtype}")
     if k.shape != v.shape:
         raise ConfigError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
@@ -130,6 +138,9 @@ def write_kv_ref(cache, k, v, slot_mapping):
     _check_slots(slots, num_blocks * block_size)
     keep = slots >= 0
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    if isinstance(cache, Cache8):
+        store_rows(cache, blocks, offsets, k[keep], v[keep])
+        return cache
     cache[blocks, 0, offsets] = k[keep]
     cache[blocks, 1, offsets] = v[keep]
     return cache
@@ -158,6 +169,14 @@ def write_kv(cache, k, v, slot_mapping, *, validate=True):
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return cache
+    if isinstance(cache, Cache8):
+        _, _, block_size, kv_heads, head_dim = cache.shape
+        rows = 2 * num_tokens * kv_heads                 # a warp per K or V head row
+        fn = kernel(load_source("fused.cu"), f"write_kv8<{DTYPE_CODES[dtype_name(k)]}>")
+        fn(((rows + 3) // 4,), (128,),
+           (k, v, slot_mapping, cache.raw, np.int32(num_tokens), np.int32(kv_heads),
+            np.int32(head_dim), np.int32(block_size), np.int64(cache.shape[0] * block_size)))
+        return cache
     row_bytes = cache.shape[3] * cache.shape[4] * cache.itemsize
     width, ctype = _vec(row_bytes, cache, k, v)
     row_vecs = row_bytes // width
@@ -174,6 +193,7 @@ def write_kv(cache, k, v, slot_mapping, *, validate=True):
 
 def _as_layers(cache):
     layers = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    layers = [a.raw if isinstance(a, Cache8) else a for a in layers]   # int8: its bytes
     if not layers:
         raise ConfigError("copy_blocks needs at least one cache")
     first = layers[0]

@@ -135,6 +135,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
 }
+// The same for 4 bytes (cp.async.ca: through L1; .cg takes 16 bytes only): the 8-bit
+// cache's scale pairs.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(ok ? 4 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -211,4 +217,97 @@ __global__ void merge_splits(const float* __restrict__ part_o,
     let_next_grid_start();
     merge_split_row<DT>(part_o, part_lse, out, blockIdx.x, num_splits, head_dim, threadIdx.x,
                         blockDim.x);
+}
+
+// ---- the 8-bit cache (pagedkv/kernels/kv8.py) ------------------------------------------
+// An int8 layer cache is bytes: block b starts at b * kv8_block_bytes(...) and holds
+//     values [2][BLOCK_SIZE][kv_heads][HEAD_DIM]          int8, K then V (as DT numbers sit)
+//     scales [BLOCK_SIZE][kv_heads][HEAD_DIM / 32][2]     float16: K's scale, then V's
+// Number i of a K or V row means value_i * (the scale of its run of 32: i / 32). A thread
+// that reads 16 numbers of a row (one 16-byte load) needs one scale of each: the pair of
+// its run is one 4-byte load. Writing, a warp takes a whole row (lane l its numbers l,
+// l + 32, ...): the largest |x| of a run is a warp-wide maximum, scale = float16(amax /
+// 127), and each number is rint(x / scale) clamped to [-127, 127] (0 where scale is 0):
+// IEEE division and ties to even, the NumPy reference's rounding bit for bit.
+#define KV8_RUN 32    // numbers that share a scale
+
+__device__ __forceinline__ long long kv8_block_bytes(int block_size, int kv_heads,
+                                                     int head_dim) {
+    return (long long)block_size * kv_heads * (2 * head_dim + head_dim / KV8_RUN * 4);
+}
+// Where a block's scales start, in bytes from the block's start.
+__device__ __forceinline__ long long kv8_scales_at(int block_size, int kv_heads,
+                                                   int head_dim) {
+    return 2LL * block_size * kv_heads * head_dim;
+}
+// The byte offset of the (K, V) scale pair of run g of token row `off` of kv head h,
+// from the block's start.
+__device__ __forceinline__ long long kv8_pair_at(int off, int h, int g, int block_size,
+                                                 int kv_heads, int head_dim) {
+    return kv8_scales_at(block_size, kv_heads, head_dim)
+           + (((long long)off * kv_heads + h) * (head_dim / KV8_RUN) + g) * 4;
+}
+
+// A float16's bits as float32 (the scales are float16 whatever DT is).
+__device__ __forceinline__ float kv8_half(unsigned short bits) {
+    return Num<1>::load(&bits, 0);
+}
+
+// 16 int8 numbers (one 16-byte load) as float32, times s.
+__device__ __forceinline__ void kv8_unpack(const uint4& r, float s, float* f) {
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j)
+            f[4 * i + j] = (float)(signed char)((w[i] >> (8 * j)) & 0xffu) * s;
+    }
+}
+
+// 16 int8 numbers times s as 16 DT numbers (DT 1 or 2), two 16-byte stores at `out`: what
+// the tensor-core kernels put in shared memory for ldmatrix. (value * s is exact in float32:
+// 8 bits times 11; the one rounding is to DT.)
+template <int DT>
+__device__ __forceinline__ void kv8_to16(const uint4& r, float s, uint4* out) {
+    float f[16];
+    kv8_unpack(r, s, f);
+    unsigned o[8];
+    #pragma unroll
+    for (int k = 0; k < 8; ++k) o[k] = Num<DT>::pack2(f[2 * k], f[2 * k + 1]);
+    out[0] = uint4{o[0], o[1], o[2], o[3]};
+    out[1] = uint4{o[4], o[5], o[6], o[7]};
+}
+
+// One warp stores one K or V head row of D numbers (lane l holds numbers l + 32 j in
+// x[j], j < D / 32 <= 8, each already rounded to the model's dtype): `vals` receives the D
+// int8 numbers, scales[2 j] run j's scale (the pair layout: K's and V's interleave).
+__device__ __forceinline__ void kv8_store_row(const float* x, int D, signed char* vals,
+                                              unsigned short* scales) {
+    const int lane = threadIdx.x % 32;
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        if (j >= D / KV8_RUN) break;
+        float a = fabsf(x[j]);
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        unsigned short bits;
+        Num<1>::store(&bits, 0, __fdiv_rn(a, 127.f));
+        const float s = kv8_half(bits);
+        int q = 0;
+        if (s > 0.f) q = max(-127, min(127, __float2int_rn(__fdiv_rn(x[j], s))));
+        vals[lane + KV8_RUN * j] = (signed char)q;
+        if (lane == 0) scales[2 * j] = bits;
+    }
+}
+
+// Where token `slot`'s row of kv head h goes in an int8 cache: its numbers (K: kv 0, V: 1)
+// and its run 0's scale.
+__device__ __forceinline__ void kv8_row(unsigned char* cache, long long slot, int kv, int h,
+                                        int kv_heads, int D, int block_size,
+                                        signed char*& vals, unsigned short*& scales) {
+    const long long block = slot / block_size;
+    const int off = (int)(slot % block_size);
+    unsigned char* base = cache + block * kv8_block_bytes(block_size, kv_heads, D);
+    vals = (signed char*)(base + (((long long)kv * block_size + off) * kv_heads + h) * D);
+    scales = (unsigned short*)(base + kv8_pair_at(off, h, 0, block_size, kv_heads, D)) + kv;
 }

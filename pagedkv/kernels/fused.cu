@@ -174,3 +174,85 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __
     }
     if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] == 0x7fffffff ? 0 : best_i[0];
 }
+
+// =======================================================================================
+// The same writes into an int8 cache (common.cuh's "8-bit cache"): a warp per head row,
+// because a row's scales need the largest number of each of its runs of 32 before any
+// number can be rounded. D must be a multiple of 64 (the rotation's pairs i, i + D/2 are
+// then numbers j and j + D/64 of the same lane).
+// =======================================================================================
+
+// write_kv8: k and v [tokens][kv_heads][D] (DT) into the cache at their slots; row r of the
+// grid's warps is (token r / (2 kv_heads), K or V, kv head). A slot < 0 is padding, and the
+// host has refused slots >= num_slots (they are skipped here too).
+template <int DT>
+__global__ void write_kv8(const void* __restrict__ k, const void* __restrict__ v,
+                          const int* __restrict__ slots, unsigned char* __restrict__ cache,
+                          int tokens, int kv_heads, int D, int block_size,
+                          long long num_slots) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= 2 * tokens * kv_heads) return;           // a whole warp leaves together
+    const int t = row / (2 * kv_heads), kv = row / kv_heads % 2, h = row % kv_heads;
+    const int slot = slots[t];
+    if (slot < 0 || slot >= num_slots) return;
+    const void* src = kv ? v : k;
+    const long long first = ((long long)t * kv_heads + h) * D + threadIdx.x % 32;
+    float x[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < D / KV8_RUN) x[j] = Num<DT>::load(src, first + KV8_RUN * j);
+    signed char* vals;
+    unsigned short* scales;
+    kv8_row(cache, slot, kv, h, kv_heads, D, block_size, vals, scales);
+    kv8_store_row(x, D, vals, scales);
+}
+
+// rope_write_kv8: rope_write_kv with an int8 cache. One CTA per token: q's pairs as in
+// rope_write_kv (every thread), then warp w quantizes head rows w, w + warps, ... of the
+// 2 kv_heads (k's rotated, then v's as they are) into the cache at the token's slot.
+template <int DT>
+__global__ void rope_write_kv8(const void* __restrict__ qkv, const int* __restrict__ positions,
+                               const int* __restrict__ slots, const float* __restrict__ cos_t,
+                               const float* __restrict__ sin_t, void* __restrict__ q_out,
+                               unsigned char* __restrict__ cache, int q_heads, int kv_heads,
+                               int D, int block_size) {
+    const int t = blockIdx.x, half = D / 2;
+    const long long in = (long long)t * (q_heads + 2 * kv_heads) * D;
+    const int pos = positions[t], slot = slots[t];
+    for (int j = threadIdx.x; j < q_heads * half; j += blockDim.x) {   // q, as rope_write_kv
+        const int head = j / half, i = j % half;
+        const float c = cos_t[(long long)pos * half + i], s = sin_t[(long long)pos * half + i];
+        const long long a = in + (long long)head * D + i;
+        float y1, y2;
+        rotate_pair(Num<DT>::load(qkv, a), Num<DT>::load(qkv, a + half), c, s, y1, y2);
+        const long long o = ((long long)t * q_heads + head) * D + i;
+        Num<DT>::store(q_out, o, y1);
+        Num<DT>::store(q_out, o + half, y2);
+    }
+    if (slot < 0) return;                               // a padding row
+    const int lane = threadIdx.x % 32, runs = D / KV8_RUN;
+    for (int r = threadIdx.x / 32; r < 2 * kv_heads; r += blockDim.x / 32) {
+        const int kv = r / kv_heads, h = r % kv_heads;
+        const long long a = in + (long long)(q_heads + r) * D + lane;   // k heads, then v's
+        float x[8];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (j < runs) x[j] = Num<DT>::load(qkv, a + KV8_RUN * j);
+        if (kv == 0) {                                  // k: number i pairs with i + D/2
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (j >= runs / 2) break;
+                const int i = lane + KV8_RUN * j;
+                const long long at = (long long)pos * half + i;
+                float y1, y2;
+                rotate_pair(x[j], x[j + runs / 2], cos_t[at], sin_t[at], y1, y2);
+                x[j] = round_to<DT>(y1);                // what a 16-bit cache would hold
+                x[j + runs / 2] = round_to<DT>(y2);
+            }
+        }
+        signed char* vals;
+        unsigned short* scales;
+        kv8_row(cache, slot, kv, h, kv_heads, D, block_size, vals, scales);
+        kv8_store_row(x, D, vals, scales);
+    }
+}

@@ -24,6 +24,7 @@ import numpy as np
 from .. import backend
 from ..errors import ConfigError
 from ._common import DTYPE_CODES, dtype_name, is_cupy, kernel, load_source
+from .kv8 import Cache8, store_rows
 from .pdl import launch
 
 __all__ = ["rms_norm", "rope_write_kv", "silu_mul", "embed", "argmax_rows", "FUSED_SOURCE"]
@@ -66,9 +67,20 @@ def rope_write_kv(qkv, positions, slots, cos, sin, q_out, cache, q_heads: int,
     side by side); ``positions`` and ``slots`` int32 [tokens] (a negative slot is padding:
     nothing is written); ``cos``, ``sin`` float32 [context, D / 2]; ``q_out`` [tokens,
     q_heads, D] receives the rotated q; ``cache`` is one layer's [num_blocks, 2, block_size,
-    kv_heads, D]. The slots are trusted (they come from the manager's plan).
+    kv_heads, D], or an int8 :class:`~pagedkv.kernels.kv8.Cache8`, into which the rotated k
+    (rounded to qkv's dtype, as a 16-bit cache would hold it) and v are quantized. The slots
+    are trusted (they come from the manager's plan).
     """
     d = q_out.shape[2]
+    if is_cupy(qkv) and isinstance(cache, Cache8):
+        if d % 64 or d > 256:
+            raise ConfigError(f"rope_write_kv writes an int8 cache for head_dim a multiple "
+                              f"of 64 up to 256, got {d}")
+        _fn("rope_write_kv8", qkv)(                       # a warp per k or v head row
+            (qkv.shape[0],), (128,),
+            (qkv, positions, slots, cos, sin, q_out, cache.raw, np.int32(q_heads),
+             np.int32(kv_heads), np.int32(d), np.int32(cache.shape[2])))
+        return q_out
     if is_cupy(qkv):
         _fn("rope_write_kv", qkv)(
             (qkv.shape[0],), (128,),
@@ -84,8 +96,12 @@ def rope_write_kv(qkv, positions, slots, cos, sin, q_out, cache, q_heads: int,
     keep = slots >= 0
     block_size = cache.shape[2]
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
-    cache[blocks, 0, offsets] = rotated[keep, q_heads:]
-    cache[blocks, 1, offsets] = qkv[keep, (q_heads + kv_heads) * d:].reshape(-1, kv_heads, d)
+    k, v = rotated[keep, q_heads:], qkv[keep, (q_heads + kv_heads) * d:].reshape(-1, kv_heads, d)
+    if isinstance(cache, Cache8):
+        store_rows(cache, blocks, offsets, k, v)
+        return q_out
+    cache[blocks, 0, offsets] = k
+    cache[blocks, 1, offsets] = v
     return q_out
 
 

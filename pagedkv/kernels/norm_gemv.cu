@@ -164,3 +164,84 @@ __global__ void norm_gemv_rope_t(const void* __restrict__ x, const void* __restr
         Num<DT>::store(dst, o + half, y2);
     }
 }
+
+// =======================================================================================
+// norm_gemv_rope8_t: norm_gemv_rope_t with an int8 cache (common.cuh's "8-bit cache").
+// A k or v head row's numbers must all be known before any is rounded (its runs' scales
+// come from their largest numbers), and in norm_gemv_rope_t they come from warps all over
+// the grid. So here the first 2 kv_heads CTAs each make one k or v head whole (CTA c: k
+// head c, then v head c - kv_heads): its warps compute the head's pairs for the M rows,
+// write them to qkv as norm_gemv_rope_t does, turn k's, and leave the numbers (rounded to
+// DT, as a 16-bit cache would hold them) in shared memory; then warp m quantizes row m's
+// head into the cache (kv8_store_row). The other CTAs make q's pairs as
+// norm_gemv_rope_t does. Launch 2 kv_heads + (CTAs for q) CTAs of 256 threads; M <= 8 (a
+// warp per row), D a multiple of 64 and at most 256.
+// =======================================================================================
+template <int DT, int M>
+__global__ void norm_gemv_rope8_t(const void* __restrict__ x,
+                                  const void* __restrict__ norm_w, float eps,
+                                  const void* __restrict__ w, void* __restrict__ qkv,
+                                  const int* __restrict__ positions,
+                                  const int* __restrict__ slots,
+                                  const float* __restrict__ cos_t,
+                                  const float* __restrict__ sin_t, void* __restrict__ q_out,
+                                  unsigned char* __restrict__ cache, int K, int q_heads,
+                                  int kv_heads, int D, int block_size) {
+    static_assert(M <= 8, "a warp quantizes each row");
+    __shared__ float xs[M * NORM_MAX_K];
+    __shared__ float head_rows[M][256];               // a k or v head's rows, before rounding
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const int half = D / 2, N = (q_heads + 2 * kv_heads) * D;
+    const int kv_ctas = 2 * kv_heads;
+    const bool kv_cta = blockIdx.x < kv_ctas;
+    // this CTA's work items: pairs of its k or v head, or q's pairs from a first one on
+    const int head0 = kv_cta ? q_heads + blockIdx.x : 0;
+    const int first = kv_cta ? warp : (blockIdx.x - kv_ctas) * nwarps + warp;
+    const int items = kv_cta ? half : q_heads * half;
+    const int stride = kv_cta ? nwarps : (gridDim.x - kv_ctas) * nwarps;
+    if (first < items) {                              // this warp's first pair, into L2
+        const int n = (head0 + first / half) * D + first % half;
+        prefetch_row(w, n, K * (16 / Num<DT>::PER_VEC));
+        prefetch_row(w, n + half, K * (16 / Num<DT>::PER_VEC));
+    }
+    wait_for_prior_grid();            // x from the kernel before; the cache read by others
+    let_next_grid_start();
+    normalize_rows<DT, M>(x, norm_w, eps, K, xs);
+    for (int p = first; p < items; p += stride) {
+        const int head = head0 + p / half, i = p % half, n = head * D + i;
+        float acc[2][M];                               // outputs n and n + D/2 of each row
+        dots_rows<DT, M, 2>(w, n, half, N, K, xs, acc);
+        if (lane >= M) continue;                       // lane m does row m's pair
+        const float x1 = round_to<DT>(pick<M>(acc[0], lane));
+        const float x2 = round_to<DT>(pick<M>(acc[1], lane));
+        Num<DT>::store(qkv, (long long)lane * N + n, x1);
+        Num<DT>::store(qkv, (long long)lane * N + n + half, x2);
+        float y1 = x1, y2 = x2;
+        if (head < q_heads + kv_heads) {               // q and k turn; v passes
+            const long long at = (long long)positions[lane] * half + i;
+            rotate_pair(x1, x2, cos_t[at], sin_t[at], y1, y2);
+        }
+        if (!kv_cta) {
+            const long long o = ((long long)lane * q_heads + head) * D + i;
+            Num<DT>::store(q_out, o, y1);
+            Num<DT>::store(q_out, o + half, y2);
+        } else {
+            head_rows[lane][i] = round_to<DT>(y1);
+            head_rows[lane][i + half] = round_to<DT>(y2);
+        }
+    }
+    if (!kv_cta) return;
+    __syncthreads();                                   // the head's rows are complete
+    if (warp >= M) return;
+    const int slot = slots[warp];                      // warp m: row m
+    if (slot < 0) return;                              // a padding row
+    const int kv = blockIdx.x / kv_heads, h = blockIdx.x % kv_heads;
+    float v[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < D / KV8_RUN) v[j] = head_rows[warp][lane + KV8_RUN * j];
+    signed char* vals;
+    unsigned short* scales;
+    kv8_row(cache, slot, kv, h, kv_heads, D, block_size, vals, scales);
+    kv8_store_row(v, D, vals, scales);
+}

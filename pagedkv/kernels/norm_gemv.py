@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ._common import (DTYPE_CODES, check_int32, dtype_name, is_cupy, kernel, load_source,
                       sm_count)
 from .fused import FUSED_SOURCE, rms_norm, rope_write_kv, silu_mul
+from .kv8 import Cache8
 from .gemm import GEMV_MAX_ROWS, gemv_outputs_per_warp
 from .pdl import launch
 
@@ -87,8 +88,9 @@ def norm_gemv_rope(x, norm_w, eps: float, w, qkv, positions, slots, cos, sin, q_
     """``norm_gemv(x, norm_w, eps, w, qkv)`` then ``rope_write_kv(qkv, positions, slots,
     cos, sin, q_out, cache, q_heads, kv_heads)``, in one launch on a GPU: the same bits in
     ``qkv``, ``q_out`` and ``cache``. The arguments are those two functions'; every array
-    but ``positions``, ``slots`` (int32) and ``cos``, ``sin`` (float32) has x's dtype.
-    Returns ``q_out``."""
+    but ``positions``, ``slots`` (int32), ``cos``, ``sin`` (float32) and an int8 ``cache``
+    (:class:`~pagedkv.kernels.kv8.Cache8`: ``norm_gemv_rope8_t``, a CTA per k or v head)
+    has x's dtype. Returns ``q_out``."""
     m, k = x.shape
     d = q_out.shape[-1]
     n = (q_heads + 2 * kv_heads) * d
@@ -111,16 +113,26 @@ def norm_gemv_rope(x, norm_w, eps: float, w, qkv, positions, slots, cos, sin, q_
                                       q_out, cache, q_heads, kv_heads)
     _check_launch(x, (x, "x"), (w, "w"), (qkv, "qkv"), (q_out, "q_out"), (cache, "cache"),
                   (positions, "positions"), (slots, "slots"), (cos, "cos"), (sin, "sin"))
-    dts = {dtype_name(a) for a in (x, norm_w, w, qkv, q_out, cache)}
+    int8 = isinstance(cache, Cache8)
+    dts = {dtype_name(a) for a in (x, norm_w, w, qkv, q_out) + (() if int8 else (cache,))}
     if len(dts) > 1 or str(cos.dtype) != "float32" or str(sin.dtype) != "float32":
         raise ConfigError(f"norm_gemv_rope takes x, norm_w, w, qkv, q_out and cache in one "
                           f"dtype (got {sorted(dts)}) and float32 cos, sin (got {cos.dtype}, "
                           f"{sin.dtype})")
-    fn = kernel(_source(), f"norm_gemv_rope_t<{DTYPE_CODES[dtype_name(x)]}, {m}>")
-    launch(fn, (min(cdiv(n // 2, 8), 8 * sm_count()),), (256,),
-           (x, norm_w, np.float32(eps), w, qkv, positions, slots, cos, sin, q_out, cache,
+    block_size, buf = cache.shape[2], cache.raw if int8 else cache
+    if int8:                            # k and v heads a CTA each, then q's pairs
+        if d % 64 or d > 256:
+            raise ConfigError(f"norm_gemv_rope writes an int8 cache for head_dim a multiple "
+                              f"of 64 up to 256, got {d}")
+        fn = kernel(_source(), f"norm_gemv_rope8_t<{DTYPE_CODES[dtype_name(x)]}, {m}>")
+        grid = 2 * kv_heads + min(cdiv(q_heads * d // 2, 8), 8 * sm_count())
+    else:
+        fn = kernel(_source(), f"norm_gemv_rope_t<{DTYPE_CODES[dtype_name(x)]}, {m}>")
+        grid = min(cdiv(n // 2, 8), 8 * sm_count())
+    launch(fn, (grid,), (256,),
+           (x, norm_w, np.float32(eps), w, qkv, positions, slots, cos, sin, q_out, buf,
             np.int32(k), np.int32(q_heads), np.int32(kv_heads), np.int32(d),
-            np.int32(cache.shape[2])))
+            np.int32(block_size)))
     return q_out
 
 

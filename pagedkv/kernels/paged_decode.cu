@@ -12,6 +12,11 @@
 //    warps, are merged.
 //  * Loads go through a ring of shared-memory tiles filled by cp.async, so that the next
 //    tiles are on their way while the current one is computed.
+//  * KV8 = 1: the cache is int8 with float16 scales (common.cuh's "8-bit cache"). A 16-byte
+//    load then holds 16 numbers of a row, all of one run of 32, and the thread also copies
+//    that run's (K scale, V scale) pair (4 bytes). Scores are the int8 numbers' dot product
+//    with q times the K scale; a token's weight p is multiplied by the V scale before it
+//    meets the int8 V numbers. The sum l adds p itself.
 // =======================================================================================
 
 // ---- the kernel ------------------------------------------------------------------
@@ -23,7 +28,7 @@
 // part_o, part_lse: each split's normalised output and log2-sum-exp, merged by
 // merge_splits (common.cuh)
 template <int DT, int HEAD_DIM, int GROUP, int BLOCK_SIZE, int NWARPS, int UNROLL,
-          int STAGES, int CHUNKS>
+          int STAGES, int CHUNKS, int KV8 = 0>
 __global__ void __launch_bounds__(NWARPS * 32)
 paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
              const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
@@ -31,7 +36,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
              float* __restrict__ part_lse, int kv_heads, int max_blocks, int split_tokens,
              float scale_log2) {
     using N = Num<DT>;
-    constexpr int VEC = N::PER_VEC;                     // numbers per 16-byte load
+    constexpr int VEC = KV8 ? 16 : N::PER_VEC;          // numbers per 16-byte load
     constexpr int ROW_VECS = HEAD_DIM / VEC;            // 16-byte loads per head row
     constexpr int NV = CHUNKS > 0 ? CHUNKS   // 16-byte loads per thread per row: as few
                      : (ROW_VECS < 32 ? 1 : ROW_VECS / 32);      // as a warp allows
@@ -60,11 +65,18 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     for (int g = 0; g < GROUP; ++g) {
         #pragma unroll
         for (int n = 0; n < NV; ++n) {
-            float tmp[VEC];
             const long long qrow = (long long)b * q_heads + h * GROUP + g;
-            N::unpack(q[qrow * ROW_VECS + n * TPT + lig], tmp);
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) qf[g][n * VEC + j] = tmp[j] * scale_log2;
+            if constexpr (KV8) {             // q's numbers of my cache chunk, one by one
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j)
+                    qf[g][n * VEC + j] = N::load(q, qrow * HEAD_DIM
+                                                 + (n * TPT + lig) * VEC + j) * scale_log2;
+            } else {
+                float tmp[VEC];
+                N::unpack(q[qrow * ROW_VECS + n * TPT + lig], tmp);
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) qf[g][n * VEC + j] = tmp[j] * scale_log2;
+            }
         }
     }
 
@@ -82,6 +94,14 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     const int* table = block_tables + (long long)b * max_blocks;
     const long long row = (long long)kv_heads * ROW_VECS;  // uint4s from token to token
     const uint4* head = cache + h * ROW_VECS + lig;        // my chunk of kv head h, row 0
+    // uint4s from one block to the next: K and V rows, and with KV8 the block's scales
+    const long long block_vecs = KV8 ? kv8_block_bytes(BLOCK_SIZE, kv_heads, HEAD_DIM) / 16
+                                     : 2LL * BLOCK_SIZE * row;
+    // KV8: the scale pair of my chunk's run in row 0 of block 0, in bytes; a chunk n*TPT + lig
+    // holds numbers of run (n * TPT + lig) * VEC / 32.
+    const char* pairs = (const char*)cache
+        + (KV8 ? kv8_pair_at(0, h, lig * VEC / KV8_RUN, BLOCK_SIZE, kv_heads, HEAD_DIM) : 0);
+    const long long pair_row = (long long)kv_heads * (HEAD_DIM / KV8_RUN) * 4;  // bytes
 
     // The loop runs over "tiles" of TILE tokens; in a tile, token group grp takes tokens
     // tile_start + u * NGROUPS + grp for u = 0 .. UNROLL-1. Loads go through a ring of
@@ -91,6 +111,7 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     // for itself, so no barrier is needed: "cp.async.wait_group N" waits until at most N
     // of my requested groups are still in flight.
     __shared__ uint4 ring[STAGES][UNROLL][2][NV][NWARPS * 32];
+    __shared__ unsigned ring_s[KV8 ? STAGES : 1][UNROLL][NV][NWARPS * 32];  // scale pairs
     const int n_tiles = t_end > t_begin ? (t_end - t_begin + TILE - 1) / TILE : 0;
     int blk[UNROLL];  // the blocks of the tile to request next (looked up one tile ahead)
 
@@ -107,13 +128,18 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         _Pragma("unroll") for (int u = 0; u < UNROLL; ++u) {                             \
             int t = t_begin + (tile_) * TILE + u * NGROUPS + grp;                        \
             bool ok = t < t_end;  /* a token past the end reads zeros, never garbage */  \
-            const uint4* p = head + ((long long)blk[u] * 2 * BLOCK_SIZE                  \
-                                     + t % BLOCK_SIZE) * row;                            \
+            const uint4* p = head + (long long)blk[u] * block_vecs                       \
+                                  + (long long)(t % BLOCK_SIZE) * row;                   \
             _Pragma("unroll") for (int n = 0; n < NV; ++n) {                             \
                 cp_async16(&ring[slot_][u][0][n][threadIdx.x],                           \
                            ok ? p + n * TPT : cache, ok);                                \
                 cp_async16(&ring[slot_][u][1][n][threadIdx.x],                           \
                            ok ? p + BLOCK_SIZE * row + n * TPT : cache, ok);             \
+                if (KV8)                                                                 \
+                    cp_async4(&ring_s[KV8 ? slot_ : 0][u][n][threadIdx.x],               \
+                              ok ? pairs + (long long)blk[u] * block_vecs * 16           \
+                                   + (t % BLOCK_SIZE) * pair_row                         \
+                                   + n * TPT * VEC / KV8_RUN * 4 : (const char*)cache, ok); \
             }                                                                            \
         }                                                                                \
     }                                                                                    \
@@ -143,11 +169,19 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
             #pragma unroll
             for (int n = 0; n < NV; ++n) {
                 float kf[VEC];
-                N::unpack(ring[slot][u][0][n][threadIdx.x], kf);
+                if constexpr (KV8) {             // int8 numbers; the K scale comes after
+                    kv8_unpack(ring[slot][u][0][n][threadIdx.x], 1.f, kf);
+                } else {
+                    N::unpack(ring[slot][u][0][n][threadIdx.x], kf);
+                }
                 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
+                    float part = 0.f;
                     #pragma unroll
-                    for (int j = 0; j < VEC; ++j) s[u][g] += qf[g][n * VEC + j] * kf[j];
+                    for (int j = 0; j < VEC; ++j) part += qf[g][n * VEC + j] * kf[j];
+                    if constexpr (KV8)
+                        part *= kv8_half(ring_s[slot][u][n][threadIdx.x] & 0xffffu);
+                    s[u][g] += part;
                 }
             }
         }
@@ -179,13 +213,20 @@ paged_decode(const uint4* __restrict__ q, const uint4* __restrict__ cache,
             #pragma unroll
             for (int n = 0; n < NV; ++n) {
                 float vf[VEC];
-                N::unpack(ring[slot][u][1][n][threadIdx.x], vf);
+                float vs = 1.f;                  // KV8: the V scale, folded into p
+                if constexpr (KV8) {
+                    kv8_unpack(ring[slot][u][1][n][threadIdx.x], 1.f, vf);
+                    vs = kv8_half(ring_s[slot][u][n][threadIdx.x] >> 16);
+                } else {
+                    N::unpack(ring[slot][u][1][n][threadIdx.x], vf);
+                }
                 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
                     const float p = exp2f(s[u][g] - m[g]);
                     if (n == 0) l[g] += p;
+                    const float pv = p * vs;
                     #pragma unroll
-                    for (int j = 0; j < VEC; ++j) acc[g][n * VEC + j] += p * vf[j];
+                    for (int j = 0; j < VEC; ++j) acc[g][n * VEC + j] += pv * vf[j];
                 }
             }
         }

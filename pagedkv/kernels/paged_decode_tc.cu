@@ -27,6 +27,11 @@
 // K and V tiles come from global memory into a per-warp ring of shared-memory tiles with
 // cp.async (16 bytes per thread per copy); `ldmatrix` then loads the fragments from
 // shared memory (with .trans for V^T, which is V read column-wise).
+//
+// KV8 = 1 (an int8 cache, common.cuh's "8-bit cache"): the ring holds the tiles' int8
+// numbers and their scale pairs, half the bytes; once a tile has landed, the warp turns it
+// into DT numbers (number * scale, rounded to DT) in a tile of its own, and steps 1-3 read
+// that tile as they read the ring's otherwise.
 // =======================================================================================
 
 // ldmatrix_x4, ldmatrix_x4_trans and mma16816 are in common.cuh (the prefill kernel
@@ -36,7 +41,8 @@
 // (uint4 chunks), block_tables [batch][max_blocks], seq_lens [batch]; out, part_o,
 // part_lse as in step 6. Dynamic shared memory: NWARPS * STAGES tiles of 16 K rows and 16 V
 // rows.
-template <int DT, int HEAD_DIM, int GROUP, int BLOCK_SIZE, int NWARPS, int STAGES>
+template <int DT, int HEAD_DIM, int GROUP, int BLOCK_SIZE, int NWARPS, int STAGES,
+          int KV8 = 0>
 __global__ void __launch_bounds__(NWARPS * 32)
 paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
                 const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
@@ -55,6 +61,11 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     constexpr int TILE_ELEMS = 2 * TILE * ROW;   // K rows then V rows, in 16-bit numbers
     static_assert(CHUNKS * 32 == TILE * ROW_VECS, "head_dim must be 64, 128 or 256");
     static_assert(NB <= 2, "block_size 8, 16 or 32");
+    // KV8: a ring slot is the tile's int8 K rows, V rows, then each token's scale pairs
+    constexpr int ROW_VECS8 = HEAD_DIM / 16;     // 16-byte chunks in one int8 row
+    constexpr int RUNS = HEAD_DIM / 32;          // scale pairs (4 bytes) of a row
+    constexpr int CHUNKS8 = TILE * ROW_VECS8 / 32;
+    constexpr int SLOT8 = 2 * TILE * HEAD_DIM + TILE * RUNS * 4;   // bytes
     extern __shared__ __align__(16) unsigned short smem[];
 
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -66,7 +77,10 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     const int len = seq_lens[b];
     const int t_begin = split * split_tokens;
     const int t_end = min(len, t_begin + split_tokens);
-    unsigned short* ring = smem + warp * STAGES * TILE_ELEMS;   // this warp's tiles
+    // this warp's ring (and with KV8 its DT tile, after the int8 ring)
+    unsigned short* ring = smem + warp * (KV8 ? (STAGES * SLOT8 + 2 * TILE_ELEMS) / 2
+                                              : STAGES * TILE_ELEMS);
+    unsigned short* tile16 = ring + STAGES * SLOT8 / 2;        // KV8 only
 
     // Q as the A fragment, per 16-wide step of head_dim: row gid is query head h*GROUP +
     // gid. Rows 8..15 (a1, a3) and rows >= GROUP are zero.
@@ -95,8 +109,14 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
 
     const int* table = block_tables + (long long)b * max_blocks;
-    const long long row_stride = (long long)kv_heads * ROW_VECS;  // uint4s between tokens
-    const uint4* head = cache + h * ROW_VECS;                      // kv head h in row 0
+    const long long row_stride = (long long)kv_heads * (KV8 ? ROW_VECS8 : ROW_VECS);  // uint4s
+    const uint4* head = cache + h * (KV8 ? ROW_VECS8 : ROW_VECS);  // kv head h in row 0
+    const long long block_vecs = KV8 ? kv8_block_bytes(BLOCK_SIZE, kv_heads, HEAD_DIM) / 16
+                                     : 2LL * BLOCK_SIZE * row_stride;   // block to block
+    // KV8: the scale pairs of kv head h, row 0 of block 0 (bytes), and from row to row
+    const char* pairs = (const char*)cache
+                        + kv8_pair_at(0, h, 0, BLOCK_SIZE, kv_heads, HEAD_DIM);
+    const long long pair_row = (long long)kv_heads * RUNS * 4;
     const int stride = NWARPS * TILE;                              // tokens between tiles
     const int first = t_begin + warp * TILE;
     const int n_tiles = t_end > first ? (t_end - first + stride - 1) / stride : 0;
@@ -110,6 +130,7 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     // Copy the K and V rows of a tile into ring slot tile % STAGES; rows past the end
     // become zeros (so a NaN in an unwritten slot never reaches the tensor cores).
 #define TC_REQUEST(tile_)                                                                \
+    if (KV8) { TC_REQUEST8(tile_) } else                                                 \
     if ((tile_) < n_tiles) {                                                             \
         unsigned short* dst = ring + ((tile_) % STAGES) * TILE_ELEMS;                    \
         const int t0 = first + (tile_) * stride;                                         \
@@ -118,14 +139,42 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
             const int t = t0 + r;                                                        \
             const bool ok = t < t_end;                                                   \
             const int bk = (NB == 1 || r < BS_T) ? blk[0] : blk[NB - 1];                 \
-            const uint4* src = head + ((long long)bk * 2 * BLOCK_SIZE + t % BLOCK_SIZE)  \
-                                      * row_stride + v;                                  \
+            const uint4* src = head + (long long)bk * block_vecs                         \
+                               + (t % BLOCK_SIZE) * row_stride + v;                      \
             cp_async16(dst + r * ROW + v * 8, ok ? src : cache, ok);                     \
             cp_async16(dst + (TILE + r) * ROW + v * 8,                                   \
                        ok ? src + BLOCK_SIZE * row_stride : cache, ok);                  \
         }                                                                                \
     }                                                                                    \
     cp_async_commit();   /* one group per tile, empty past the end: the count is right */
+    // KV8: the same rows as int8 (16 numbers a copy), and lane r < 16 copies token r's
+    // scale pairs, one 4-byte copy each.
+#define TC_REQUEST8(tile_)                                                               \
+    if ((tile_) < n_tiles) {                                                             \
+        unsigned char* dst = (unsigned char*)ring + ((tile_) % STAGES) * SLOT8;          \
+        const int t0 = first + (tile_) * stride;                                         \
+        _Pragma("unroll") for (int i = 0; i < CHUNKS8; ++i) {                            \
+            const int c = lane + 32 * i, r = c / ROW_VECS8, v = c % ROW_VECS8;           \
+            const int t = t0 + r;                                                        \
+            const bool ok = t < t_end;                                                   \
+            const int bk = (NB == 1 || r < BS_T) ? blk[0] : blk[NB - 1];                 \
+            const uint4* src = head + (long long)bk * block_vecs                         \
+                               + (t % BLOCK_SIZE) * row_stride + v;                      \
+            cp_async16(dst + r * HEAD_DIM + v * 16, ok ? src : cache, ok);               \
+            cp_async16(dst + (TILE + r) * HEAD_DIM + v * 16,                             \
+                       ok ? src + BLOCK_SIZE * row_stride : cache, ok);                  \
+        }                                                                                \
+        if (lane < TILE) {                                                               \
+            const int t = t0 + lane;                                                     \
+            const bool ok = t < t_end;                                                   \
+            const int bk = (NB == 1 || lane < BS_T) ? blk[0] : blk[NB - 1];              \
+            const char* src = pairs + (long long)bk * block_vecs * 16                    \
+                              + (t % BLOCK_SIZE) * pair_row;                             \
+            _Pragma("unroll") for (int g = 0; g < RUNS; ++g)                             \
+                cp_async4(dst + 2 * TILE * HEAD_DIM + (lane * RUNS + g) * 4,             \
+                          ok ? src + 4 * g : (const char*)cache, ok);                    \
+        }                                                                                \
+    }
 
     TC_LOOKUP(0)
     #pragma unroll
@@ -143,6 +192,21 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         cp_async_wait<STAGES - 1>();       // my copies of this tile have landed ...
         __syncwarp();                      // ... and everyone else's too
         const unsigned short* ks_ = ring + (tile % STAGES) * TILE_ELEMS;
+        if constexpr (KV8) {               // int8 numbers times their scales, into tile16
+            const unsigned char* src = (const unsigned char*)ring + (tile % STAGES) * SLOT8;
+            const unsigned* sc = (const unsigned*)(src + 2 * TILE * HEAD_DIM);
+            #pragma unroll
+            for (int i = 0; i < 2 * CHUNKS8; ++i) {      // K's chunks, then V's
+                const int c = lane + 32 * i, kv = c / (TILE * ROW_VECS8);
+                const int r = c / ROW_VECS8 % TILE, v = c % ROW_VECS8;
+                const unsigned pair = sc[r * RUNS + v * 16 / 32];
+                const float s = kv8_half(kv ? pair >> 16 : pair & 0xffffu);
+                kv8_to16<DT>(*(const uint4*)(src + (kv * TILE + r) * HEAD_DIM + v * 16), s,
+                             (uint4*)(tile16 + (kv * TILE + r) * ROW + v * 16));
+            }
+            __syncwarp();
+            ks_ = tile16;
+        }
         const unsigned short* vs_ = ks_ + TILE * ROW;
         const int t0 = first + tile * stride;
 
@@ -189,6 +253,7 @@ paged_decode_tc(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     }
 #undef TC_LOOKUP
 #undef TC_REQUEST
+#undef TC_REQUEST8
 
     // 4. Merge the warps through shared memory (the ring is free once every copy has
     //    landed, so the merge reuses it).

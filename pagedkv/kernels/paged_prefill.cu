@@ -32,6 +32,11 @@
 //     B[16x8]:  b0 = B[2tig, +1][gid]   b1 = B[2tig+8, +9][gid]
 //     C[16x8]:  c0, c1 = C[gid][2tig, +1]   c2, c3 = C[gid+8][2tig, +1]
 // So each thread holds two rows of every 16-row piece: gid and gid + 8 ("hr" = 0 and 1).
+//
+// KV8 = 1 (an int8 cache, common.cuh's "8-bit cache"): the ring holds the K/V tiles' int8
+// numbers and their scale pairs (half the bytes); once a tile has landed, all threads turn
+// it into DT numbers (number * scale, rounded to DT) in one tile of DT numbers, which
+// steps 2-4 read as they read the ring's otherwise.
 // =======================================================================================
 
 // Which query tile this CTA takes. Sequence b (new tokens query_start[b] ..
@@ -77,7 +82,7 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ query_start, i
 // the new tokens), out like q. Grid: (enough CTAs for every tile, kv_heads). Dynamic
 // shared memory: STAGES tiles of KV_TILE K rows and KV_TILE V rows.
 template <int DT, int HEAD_DIM, int GROUP, int BLOCK_SIZE, int NWARPS, int MT, int KV_TILE,
-          int STAGES>
+          int STAGES, int KV8 = 0>
 __global__ void __launch_bounds__(NWARPS * 32)
 paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
               const int* __restrict__ block_tables, const int* __restrict__ query_start,
@@ -101,7 +106,15 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     static_assert(KV_TILE % BLOCK_SIZE == 0 || BLOCK_SIZE % KV_TILE == 0, "tiles and blocks "
                   "nest");
     static_assert(TILE_BLOCKS <= 32, "one lane per block of a tile");
+    // KV8: a ring slot is the tile's int8 K rows, V rows, then each key's scale pairs
+    constexpr int ROW_VECS8 = HEAD_DIM / 16;      // 16-byte chunks in one int8 row
+    constexpr int RUNS = HEAD_DIM / 32;           // scale pairs (4 bytes) of a row
+    constexpr int CHUNKS8 = KV_TILE * ROW_VECS8 / THREADS;
+    constexpr int PAIRS8 = (KV_TILE * RUNS + THREADS - 1) / THREADS;   // pairs a thread copies
+    constexpr int SLOT8 = 2 * KV_TILE * HEAD_DIM + KV_TILE * RUNS * 4;   // bytes
+    static_assert(!KV8 || CHUNKS8 * THREADS == KV_TILE * ROW_VECS8, "whole copies per thread");
     extern __shared__ __align__(16) unsigned short smem[];
+    unsigned short* tile16 = smem + STAGES * SLOT8 / 2;     // KV8: the DT tile
 
     int b, tile;
     if (!find_tile<GROUP, ROWS>(query_start, batch, blockIdx.x, b, tile)) return;
@@ -163,8 +176,14 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     }
 
     const int* table = block_tables + (long long)b * max_blocks;
-    const long long row_stride = (long long)kv_heads * ROW_VECS;  // uint4s between tokens
-    const uint4* head = cache + h * ROW_VECS;                      // kv head h in row 0
+    const long long row_stride = (long long)kv_heads * (KV8 ? ROW_VECS8 : ROW_VECS);  // uint4s
+    const uint4* head = cache + h * (KV8 ? ROW_VECS8 : ROW_VECS);  // kv head h in row 0
+    const long long block_vecs = KV8 ? kv8_block_bytes(BLOCK_SIZE, kv_heads, HEAD_DIM) / 16
+                                     : 2LL * BLOCK_SIZE * row_stride;   // block to block
+    // KV8: the scale pairs of kv head h, row 0 of block 0 (bytes), and from row to row
+    const char* pairs = (const char*)cache
+                        + kv8_pair_at(0, h, 0, BLOCK_SIZE, kv_heads, HEAD_DIM);
+    const long long pair_row = (long long)kv_heads * RUNS * 4;
     // Copy c = threadIdx.x + THREADS * ci of a tile is chunk c % ROW_VECS of key c / ROW_VECS.
     // A tile spans TILE_BLOCKS blocks of the page table; lane j of every warp looks up the
     // j-th of the next tile to request, one tile ahead, so that the table's answer arrives
@@ -179,6 +198,7 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     // Copy the K and V rows of a tile into ring slot tile % STAGES; keys at or past kv_end
     // become zeros (they are masked, and a NaN in a slot nobody wrote never gets in).
 #define PF_REQUEST(tile_)                                                                \
+    if (KV8) { PF_REQUEST8(tile_) } else                                                 \
     if ((tile_) < n_tiles) {                                                             \
         unsigned short* dst = smem + ((tile_) % STAGES) * STAGE_ELEMS;                   \
         _Pragma("unroll") for (int ci = 0; ci < CHUNKS; ++ci) {                          \
@@ -187,14 +207,45 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
             const bool ok = t < kv_end;                                                  \
             const int bk = __shfl_sync(0xffffffffu, blk,                                 \
                                        ((tile_) * KV_TILE % BLOCK_SIZE + r) / BLOCK_SIZE); \
-            const uint4* src = head + ((long long)bk * 2 * BLOCK_SIZE + t % BLOCK_SIZE)  \
-                                      * row_stride + v;                                  \
+            const uint4* src = head + (long long)bk * block_vecs                         \
+                               + (t % BLOCK_SIZE) * row_stride + v;                      \
             cp_async16(dst + r * ROW + v * 8, ok ? src : cache, ok);                     \
             cp_async16(dst + (KV_TILE + r) * ROW + v * 8,                                \
                        ok ? src + BLOCK_SIZE * row_stride : cache, ok);                  \
         }                                                                                \
     }                                                                                    \
     cp_async_commit();   /* one group per tile, empty past the end: the count is right */
+    // KV8: the same rows as int8 (16 numbers a copy), and their scale pairs (4 bytes a
+    // copy: pair c is run c % RUNS of key c / RUNS).
+#define PF_REQUEST8(tile_)                                                               \
+    if ((tile_) < n_tiles) {                                                             \
+        unsigned char* dst = (unsigned char*)smem + ((tile_) % STAGES) * SLOT8;          \
+        _Pragma("unroll") for (int ci = 0; ci < CHUNKS8; ++ci) {                         \
+            const int c = threadIdx.x + THREADS * ci, r = c / ROW_VECS8, v = c % ROW_VECS8; \
+            const int t = (tile_) * KV_TILE + r;                                         \
+            const bool ok = t < kv_end;                                                  \
+            const int bk = __shfl_sync(0xffffffffu, blk,                                 \
+                                       ((tile_) * KV_TILE % BLOCK_SIZE + r) / BLOCK_SIZE); \
+            const uint4* src = head + (long long)bk * block_vecs                         \
+                               + (t % BLOCK_SIZE) * row_stride + v;                      \
+            cp_async16(dst + r * HEAD_DIM + v * 16, ok ? src : cache, ok);               \
+            cp_async16(dst + (KV_TILE + r) * HEAD_DIM + v * 16,                          \
+                       ok ? src + BLOCK_SIZE * row_stride : cache, ok);                  \
+        }                                                                                \
+        _Pragma("unroll") for (int ci = 0; ci < PAIRS8; ++ci) {                          \
+            const int c = threadIdx.x + THREADS * ci, g = c % RUNS;                      \
+            const int r = min(c / RUNS, KV_TILE - 1);   /* (every lane shuffles) */      \
+            const int t = (tile_) * KV_TILE + r;                                         \
+            const bool ok = t < kv_end;                                                  \
+            const int bk = __shfl_sync(0xffffffffu, blk,                                 \
+                                       ((tile_) * KV_TILE % BLOCK_SIZE + r) / BLOCK_SIZE); \
+            const char* src = pairs + (long long)bk * block_vecs * 16                    \
+                              + (t % BLOCK_SIZE) * pair_row + 4 * g;                     \
+            if (c < KV_TILE * RUNS)                                                      \
+                cp_async4(dst + 2 * KV_TILE * HEAD_DIM + 4 * c,                          \
+                          ok ? src : (const char*)cache, ok);                            \
+        }                                                                                \
+    }
 
     PF_LOOKUP(0)
     #pragma unroll
@@ -209,9 +260,24 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
         __syncthreads();                   // ... everyone's too, and all are done with kt - 1
         PF_REQUEST(kt + STAGES - 1)        // into the slot kt - 1 used
         PF_LOOKUP(kt + STAGES)
+        const unsigned short* ks_ = smem + (kt % STAGES) * STAGE_ELEMS;
+        if constexpr (KV8) {               // int8 numbers times their scales, into tile16
+            const unsigned char* src = (const unsigned char*)smem + (kt % STAGES) * SLOT8;
+            const unsigned* sc = (const unsigned*)(src + 2 * KV_TILE * HEAD_DIM);
+            #pragma unroll
+            for (int ci = 0; ci < 2 * CHUNKS8; ++ci) {   // K's chunks, then V's
+                const int c = threadIdx.x + THREADS * ci, kv = c / (KV_TILE * ROW_VECS8);
+                const int r = c / ROW_VECS8 % KV_TILE, v = c % ROW_VECS8;
+                const unsigned pair = sc[r * RUNS + v * 16 / 32];
+                const float sv = kv8_half(kv ? pair >> 16 : pair & 0xffffu);
+                kv8_to16<DT>(*(const uint4*)(src + (kv * KV_TILE + r) * HEAD_DIM + v * 16),
+                             sv, (uint4*)(tile16 + (kv * KV_TILE + r) * ROW + v * 16));
+            }
+            __syncthreads();               // the whole tile is DT numbers now
+            ks_ = tile16;
+        }
         const int t0 = kt * KV_TILE;
         if (t0 > hi) continue;             // wholly above this warp's diagonal
-        const unsigned short* ks_ = smem + (kt % STAGES) * STAGE_ELEMS;
         const unsigned short* vs_ = ks_ + KV_TILE * ROW;
 
         // 2. S = Q K^T: s[mt][j] holds keys 8j .. 8j + 7 of the tile (C fragments).
@@ -305,6 +371,7 @@ paged_prefill(const uint4* __restrict__ q, const uint4* __restrict__ cache,
     }
 #undef PF_LOOKUP
 #undef PF_REQUEST
+#undef PF_REQUEST8
 
     // 5. Each row's sum over its quad, then O / l, two 16-bit numbers per store.
     unsigned* out32 = reinterpret_cast<unsigned*>(out);

@@ -16,7 +16,8 @@ head_dim]``; ``block_tables`` int32 ``[batch, max_blocks]``. Query head ``i`` re
 
 The kernel reads K/V once per query tile of ``rows_per_cta`` rows (a row: one new token and
 one query head of a group), where running the decode kernel once per new token reads them once
-per token.
+per token. It reads an int8 cache (:class:`~pagedkv.kernels.kv8.Cache8`) too: template
+argument ``KV8``, half the bytes, each tile turned into ``q``'s dtype once it has landed.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ import numpy as np
 from .. import backend
 from ..checks import cdiv
 from ..errors import ConfigError
-from ._common import (DTYPE_CODES, PREFILL_HEAD_DIMS, allow_dynamic_smem, check_prefill,
+from ._common import (DTYPE_CODES, INT8, dtype_name, PREFILL_HEAD_DIMS, allow_dynamic_smem, check_prefill,
                       contiguous_on_device, fn_attr, is_cupy, kernel, load_source, to_dtype)
+from .kv8 import Cache8
 from .reference import prefill_numpy
 
 __all__ = ["paged_prefill_attention", "prefill_plan", "PrefillPlan", "prefill_config",
@@ -48,11 +50,13 @@ def prefill_config(head_dim: int):
     return (4, 1, 64, 2)
 
 
-def prefill_name(dt: int, head_dim: int, group: int, block_size: int, config=None) -> str:
-    """The template instance of ``paged_prefill`` for these parameters."""
+def prefill_name(dt: int, head_dim: int, group: int, block_size: int, config=None,
+                 kv8: bool = False) -> str:
+    """The template instance of ``paged_prefill`` for these parameters (``dt``: q's dtype
+    code; ``kv8``: an int8 cache)."""
     nwarps, mt, kv_tile, stages = config or prefill_config(head_dim)
     return (f"paged_prefill<{dt}, {head_dim}, {group}, {block_size}, {nwarps}, {mt}, "
-            f"{kv_tile}, {stages}>")
+            f"{kv_tile}, {stages}{', 1' if kv8 else ''}>")
 
 
 def grid_ctas(total_tokens: int, batch: int, group: int, rows_per_cta: int) -> int:
@@ -64,10 +68,14 @@ def grid_ctas(total_tokens: int, batch: int, group: int, rows_per_cta: int) -> i
     return cdiv(total_tokens * group, rows_per_cta) + batch - 1
 
 
-def _smem(head_dim: int, kv_tile: int, stages: int) -> int:
+def _smem(head_dim: int, kv_tile: int, stages: int, kv8: bool = False) -> int:
     """Dynamic shared memory of one CTA: STAGES tiles of kv_tile K rows and kv_tile V rows of
-    head_dim + 8 two-byte numbers."""
-    return stages * 2 * kv_tile * (head_dim + 8) * 2
+    head_dim + 8 two-byte numbers; with an int8 cache, STAGES tiles of int8 rows and their
+    scale pairs, and one tile of two-byte numbers."""
+    tile16 = 2 * kv_tile * (head_dim + 8) * 2
+    if kv8:
+        return stages * (2 * kv_tile * head_dim + kv_tile * head_dim // 32 * 4) + tile16
+    return stages * tile16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +109,8 @@ class PrefillPlan:
         x = grid_ctas(total, batch, q_heads // kv_heads, self.rows_per_cta)
         if x:
             self._fn((x, kv_heads), (self.threads,),
-                     (q, cache, block_tables, query_start, seq_lens, out, np.int32(batch),
+                     (q, cache.raw if isinstance(cache, Cache8) else cache, block_tables,
+                      query_start, seq_lens, out, np.int32(batch),
                       np.int32(kv_heads), np.int32(block_tables.shape[1]),
                       np.float32(scale * 1.4426950408889634)),   # log2(e): the kernel uses exp2
                      shared_mem=self.smem_bytes)
@@ -123,7 +132,7 @@ def prefill_plan(q, cache, block_tables, query_start=None, seq_lens=None, *,
 
 
 def _choose(q, cache, kv_dtype, config):
-    if kv_dtype == "float32":
+    if dtype_name(q) == "float32":
         raise ConfigError("the prefill kernel takes float16 or bfloat16 on the GPU, got "
                           "float32")
     if config is not None:
@@ -132,17 +141,18 @@ def _choose(q, cache, kv_dtype, config):
         if not (nwarps >= 1 and mt >= 1 and kv_tile % 16 == 0 and kv_tile > 0 and stages >= 2):
             raise ConfigError(f"config (warps, pieces per warp, keys per tile, stages) must "
                               f"be >= 1, >= 1, a multiple of 16, >= 2; got {config}")
-    return _plan(q.shape[1], tuple(cache.shape), kv_dtype, config)
+    return _plan(q.shape[1], tuple(cache.shape), kv_dtype, config, dtype_name(q))
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(q_heads, cache_shape, kv_dtype, config):
+def _plan(q_heads, cache_shape, kv_dtype, config, q_dtype=None):
     _, _, bs, kv_heads, d = cache_shape
-    group, code = q_heads // kv_heads, DTYPE_CODES[kv_dtype]
+    kv8 = kv_dtype == INT8
+    group, code = q_heads // kv_heads, DTYPE_CODES[q_dtype or kv_dtype]
     nwarps, mt, kv_tile, stages = config or prefill_config(d)
-    name = prefill_name(code, d, group, bs, (nwarps, mt, kv_tile, stages))
+    name = prefill_name(code, d, group, bs, (nwarps, mt, kv_tile, stages), kv8)
     fn = kernel(load_source(PREFILL_SOURCE), name)
-    smem = _smem(d, kv_tile, stages)
+    smem = _smem(d, kv_tile, stages, kv8)
     allow_dynamic_smem(fn, smem)
     return PrefillPlan(name, nwarps * 32, nwarps * mt * 16, kv_tile, smem,
                        fn_attr(fn, "num_regs", -1), fn_attr(fn, "local_size_bytes", -1), fn)
@@ -188,7 +198,7 @@ def paged_prefill_attention(q, cache, block_tables, query_start, seq_lens, *, sc
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     res = prefill_numpy(q, cache, np.asarray(block_tables), np.asarray(query_start),
                         np.asarray(seq_lens), scale, kv_dtype)
-    res = to_dtype(res, kv_dtype, q)
+    res = to_dtype(res, dtype_name(q), q)
     if out is None:
         return res
     out[...] = res

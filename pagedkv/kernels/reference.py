@@ -25,17 +25,24 @@ import numpy as np
 
 from .. import backend
 from ..checks import cdiv
-from ._common import as_float, check_decode, check_lengths, check_prefill, check_prefill_lengths
+from ._common import (INT8, as_float, check_decode, check_lengths, check_prefill,
+                      check_prefill_lengths, dtype_name, read_kv)
 
 __all__ = ["gather_kv", "dense_attention", "paged_decode_attention_ref", "decode_numpy",
            "paged_prefill_attention_ref", "prefill_numpy"]
 
 
 def gather_kv(cache, block_table, seq_len):
-    """One sequence's K and V copied out of its blocks: ``[seq_len, kv_heads, D]`` each."""
+    """One sequence's K and V copied out of its blocks: ``[seq_len, kv_heads, D]`` each
+    (float32 from an int8 cache)."""
     block_size = cache.shape[2]
     n = cdiv(int(seq_len), block_size)                  # blocks in use (ceiling division)
     blocks = np.asarray(block_table[:n])
+    if not isinstance(cache, np.ndarray):               # an int8 cache, dequantized
+        at = (blocks[:, None], np.arange(block_size)[None, :])
+        k, v = (read_kv(cache, *at, kv, INT8).reshape(-1, *cache.shape[3:])[:seq_len]
+                for kv in (0, 1))
+        return k, v
     k = cache[blocks, 0].reshape(-1, *cache.shape[3:])[:seq_len]
     v = cache[blocks, 1].reshape(-1, *cache.shape[3:])[:seq_len]
     return k, v
@@ -60,7 +67,7 @@ def paged_decode_attention_ref(q, cache, block_tables, seq_lens, *, scale=None):
     read from there. Works on NumPy or CuPy inputs (CuPy ones are copied to the host).
     """
     kv_dtype = check_decode(q, cache, block_tables, seq_lens)
-    qf, kv = as_float(q, kv_dtype), as_float(cache, kv_dtype)
+    qf, kv = as_float(q, dtype_name(q)), as_float(cache, kv_dtype)
     tables, lens = backend.to_numpy(block_tables), backend.to_numpy(seq_lens)
     check_lengths(kv, tables, lens)
     num_blocks, _, block_size, kv_heads, d = kv.shape
@@ -97,7 +104,7 @@ def decode_numpy(q, cache, block_tables, seq_lens, scale, num_splits, kv_dtype):
     batch, q_heads, _ = q.shape
     group = q_heads // kv_heads
     max_blocks = block_tables.shape[1]
-    qf = as_float(q, kv_dtype).astype(np.float32).reshape(batch, kv_heads, group, d)
+    qf = as_float(q, dtype_name(q)).astype(np.float32).reshape(batch, kv_heads, group, d)
     qf = qf * scale
     pages_per_split = cdiv(max_blocks, num_splits)
     m = np.full((num_splits, batch, kv_heads, group), -np.inf, np.float32)
@@ -111,8 +118,10 @@ def decode_numpy(q, cache, block_tables, seq_lens, scale, num_splits, kv_dtype):
             continue
         blk = np.where(valid[:, 0], block_tables[:, j], 0)
         keep = valid[:, :, None, None]               # zero what is not ours: 0 * NaN = NaN
-        k = np.where(keep, as_float(cache[blk, 0], kv_dtype), 0).astype(np.float32)
-        v = np.where(keep, as_float(cache[blk, 1], kv_dtype), 0).astype(np.float32)
+        at = (blk[:, None], np.arange(bs)[None, :])      # [batch, bs] rows
+        with np.errstate(invalid="ignore", over="ignore"):   # junk scales, zeroed next
+            k = np.where(keep, read_kv(cache, *at, 0, kv_dtype), 0).astype(np.float32)
+            v = np.where(keep, read_kv(cache, *at, 1, kv_dtype), 0).astype(np.float32)
         s = np.einsum("bhgd,bthd->bhgt", qf, k)          # [batch, kv_heads, group, bs]
         s = np.where(valid[:, None, None, :], s, -np.inf)
         new_m = np.maximum(m[si], s.max(axis=-1))
@@ -142,7 +151,7 @@ def paged_prefill_attention_ref(q, cache, block_tables, query_start, seq_lens, *
     ``table[t // B] * B + t % B``. Works on NumPy or CuPy inputs (CuPy ones are copied).
     """
     kv_dtype = check_prefill(q, cache, block_tables, query_start, seq_lens)
-    qf, kv = as_float(q, kv_dtype), as_float(cache, kv_dtype)
+    qf, kv = as_float(q, dtype_name(q)), as_float(cache, kv_dtype)
     tables, starts, lens = (backend.to_numpy(a) for a in (block_tables, query_start, seq_lens))
     check_prefill_lengths(qf, kv, tables, starts, lens)
     _, _, block_size, kv_heads, d = kv.shape
@@ -190,7 +199,7 @@ def prefill_numpy(q, cache, block_tables, query_start, seq_lens, scale, kv_dtype
     q_heads = q.shape[1]
     group = q_heads // kv_heads
     out = np.zeros(q.shape, np.float32)
-    qf = as_float(q, kv_dtype).astype(np.float32) * np.float32(scale)
+    qf = as_float(q, dtype_name(q)).astype(np.float32) * np.float32(scale)
     for b in range(len(seq_lens)):
         first, n, length = int(query_start[b]), int(query_start[b + 1] - query_start[b]), \
             int(seq_lens[b])
@@ -204,8 +213,8 @@ def prefill_numpy(q, cache, block_tables, query_start, seq_lens, scale, kv_dtype
         for t0 in range(0, length, kv_tile):     # up to the last new token's position
             t = np.arange(t0, min(t0 + kv_tile, length))
             blocks = block_tables[b, t // bs]
-            k = as_float(cache[blocks, 0, t % bs], kv_dtype).astype(np.float32)  # [T, kv_heads, D]
-            v = as_float(cache[blocks, 1, t % bs], kv_dtype).astype(np.float32)
+            k = read_kv(cache, blocks, t % bs, 0, kv_dtype)      # [T, kv_heads, D]
+            v = read_kv(cache, blocks, t % bs, 1, kv_dtype)
             s = np.einsum("hngd,thd->hngt", qb, k)
             s = np.where(t[None, None, None, :] <= positions[None, :, None, None], s, -np.inf)
             new_m = np.maximum(m, s.max(axis=-1))            # finite: key 0 is in every row's past

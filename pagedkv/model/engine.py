@@ -72,7 +72,8 @@ class Engine:
         else:
             classes, cache_cls = {}, PrefixCachingManager
         # the pool's manager is one that knows token ids, whether or not it caches by them
-        kv = PagedKV.for_model(model, c.num_blocks, c.block_size, **classes,
+        kv = PagedKV.for_model(model, c.num_blocks, c.block_size, kv_dtype=c.kv_dtype,
+                               **classes,
                                manager_cls=lambda *a: cache_cls(*a, caching=c.prefix_caching))
         self.memory = EngineMemory(kv.manager, max_seqs=c.max_seqs, watermark=c.watermark,
                                    preemption=c.preemption, host_blocks=c.host_blocks,

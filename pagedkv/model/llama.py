@@ -7,8 +7,9 @@ Three parts:
   projections, rotary positions) before, :meth:`Llama.finish_layer` (output projection, residual,
   feed-forward) after. Nothing in it knows about caches.
 * :class:`PagedKV` — one :class:`~pagedkv.manager.KVCacheManager` over one pool, seen as one
-  ``[num_blocks, 2, block_size, kv_heads, head_dim]`` array per layer. A block id names the same
-  block in every layer: a page table is kept once, for all layers.
+  ``[num_blocks, 2, block_size, kv_heads, head_dim]`` array per layer (with ``kv_dtype="int8"``
+  one :class:`~pagedkv.kernels.kv8.Cache8` per layer: int8 numbers and their scales). A block
+  id names the same block in every layer: a page table is kept once, for all layers.
 * :func:`forward` — a batch of sequences, each bringing some new tokens: copy-on-write copies
   first, then for every layer write the new K/V at the plan's slots and attend through the page
   tables. Prefill and decode are the same pass; only the attention differs (a decode step, one
@@ -24,7 +25,9 @@ import numpy as np
 from .. import backend
 from ..allocator import BlockAllocator
 from ..checks import cdiv
+from ..errors import ConfigError
 from ..kernels import copy_blocks, paged_decode_attention, write_kv
+from ..kernels.kv8 import Cache8, layer_block_bytes, read_rows
 from ..manager import KVCacheManager
 from .gguf import LlamaConfig
 
@@ -73,8 +76,10 @@ class Llama:
         self.sin = xp.asarray(np.sin(angles).astype(np.float32))
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
-    def kv_spec(self):
-        return self.config.kv_spec(self.dtype)
+    def kv_spec(self, kv_dtype=None):
+        """The cache's shape; ``kv_dtype`` None: the model's dtype, ``"int8"``: the 8-bit
+        cache (:mod:`pagedkv.kernels.kv8`)."""
+        return self.config.kv_spec(self.dtype if kv_dtype is None else kv_dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -155,7 +160,10 @@ class PagedKV:
     The allocator's block ``b`` is ``block_bytes = spec.block_bytes(block_size)`` bytes of
     bookkeeping, all layers together; its bytes sit in the pool as one slice per layer. The pool
     is laid out layer by layer (``[layers, num_blocks, 2, block_size, kv_heads, head_dim]``) so
-    that each layer's cache is one C-contiguous array, as the kernels need.
+    that each layer's cache is one C-contiguous array, as the kernels need. An int8 spec lays
+    it out as ``[layers, num_blocks, layer_block_bytes]``: each layer a
+    :class:`~pagedkv.kernels.kv8.Cache8` over its bytes (a block's numbers, then its scales),
+    the same block id naming the same place in every layer.
     """
 
     def __init__(self, spec, num_blocks: int, block_size: int, *, xp=None,
@@ -167,17 +175,26 @@ class PagedKV:
         # are masked out of attention, but a masked weight 0 times NaN is still NaN in the
         # NumPy decode path: start from zeros (afterwards unused slots hold old, finite K/V).
         self.allocator.pool[...] = 0
-        pool = self.allocator.pool.view(np.dtype(spec.dtype))
-        shape = (spec.layers, num_blocks, 2, block_size, spec.kv_heads, spec.head_dim)
-        self.layers = list(pool.reshape(shape))              # views, no copy
+        if spec.quantized:
+            raw = self.allocator.pool.reshape(spec.layers, num_blocks, layer_block_bytes(
+                block_size, spec.kv_heads, spec.head_dim))
+            self.layers = [Cache8(r, block_size, spec.kv_heads, spec.head_dim) for r in raw]
+        else:
+            pool = self.allocator.pool.view(np.dtype(spec.dtype))
+            shape = (spec.layers, num_blocks, 2, block_size, spec.kv_heads, spec.head_dim)
+            self.layers = list(pool.reshape(shape))          # views, no copy
         self.copies_done = 0
 
     @classmethod
-    def for_model(cls, model: Llama, num_blocks: int, block_size: int,
+    def for_model(cls, model: Llama, num_blocks: int, block_size: int, *, kv_dtype=None,
                   **classes) -> "PagedKV":
-        """The cache for ``model``; ``classes``: ``allocator_cls`` and ``manager_cls`` (the
-        teaching core's by default, :mod:`pagedkv.fast`'s for speed)."""
-        return cls(model.kv_spec(), num_blocks, block_size, xp=model.xp, **classes)
+        """The cache for ``model``; ``kv_dtype`` None (the model's dtype) or ``"int8"``;
+        ``classes``: ``allocator_cls`` and ``manager_cls`` (the teaching core's by default,
+        :mod:`pagedkv.fast`'s for speed)."""
+        if kv_dtype is not None and kv_dtype != "int8" and np.dtype(kv_dtype) != model.dtype:
+            raise ConfigError(f"kv_dtype must be None (the model's {model.dtype}), "
+                              f"{str(model.dtype)!r} or 'int8', got {kv_dtype!r}")
+        return cls(model.kv_spec(kv_dtype), num_blocks, block_size, xp=model.xp, **classes)
 
     def copy(self, pairs) -> None:
         """Execute copy-on-write copies (src, dst) in every layer, before any write."""
@@ -221,9 +238,13 @@ def prefill_attention(q, cache, block_tables, seq_lens, query_lens, scale):
     out, start = [], 0
     for b, (n, length) in enumerate(zip(query_lens.tolist(), seq_lens.tolist())):
         blocks = block_tables[b, :cdiv(length, bs)]
-        kv = cache[blocks].astype(np.float32)                 # [blocks, 2, bs, kv_heads, D]
-        k = kv[:, 0].reshape(-1, kv_heads, d)[:length]        # [length, kv_heads, D]
-        v = kv[:, 1].reshape(-1, kv_heads, d)[:length]
+        if isinstance(cache, Cache8):                         # dequantized: [blocks, bs, ...]
+            rows = (blocks[:, None], xp.arange(bs)[None, :])
+            k, v = (read_rows(cache, *rows, i).reshape(-1, kv_heads, d)[:length] for i in (0, 1))
+        else:
+            kv = cache[blocks].astype(np.float32)             # [blocks, 2, bs, kv_heads, D]
+            k = kv[:, 0].reshape(-1, kv_heads, d)[:length]    # [length, kv_heads, D]
+            v = kv[:, 1].reshape(-1, kv_heads, d)[:length]
         qb = q[start:start + n].astype(np.float32).reshape(n, kv_heads, group, d)
         s = xp.einsum("nhgd,lhd->hgnl", qb, k) * scale       # [kv_heads, group, n, length]
         past = length - n                                     # new token j sits at past + j

@@ -25,7 +25,7 @@
 #define __align__(n) alignas(n)
 #define __shared__ static     // one CTA at a time: a function's statics are shared memory
 
-struct uint4 { unsigned x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };   // 16-byte aligned, as CUDA's
 struct emu_dim3 { unsigned x, y, z; };
 
 namespace emu {
@@ -133,6 +133,14 @@ inline float __expf(float x) { return std::exp(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline int __float2int_rn(float x) {             // nearest, ties to even; saturating
+    if (std::isnan(x)) return 0;
+    if (x >= 2147483647.f) return 2147483647;
+    if (x <= -2147483648.f) return (-2147483647 - 1);
+    return (int)std::nearbyint(x);               // the default rounding mode: to even
+}
+
 
 #define NEG_INF __uint_as_float(0xff800000u)
 
@@ -203,18 +211,28 @@ inline unsigned smem_addr(const void* p) {
     if (c < emu::smem || c >= emu::smem + emu::smem_bytes) emu::die("smem_addr outside shared memory");
     return (unsigned)(c - emu::smem);
 }
-inline void cp_async16(void* dst, const void* src, bool ok) {
-    const unsigned a = smem_addr(dst);
-    if (a % 16 || a + 16 > emu::smem_bytes) emu::die("cp.async destination misaligned or out of bounds");
+// A destination outside the dynamic shared memory is a static __shared__ array (a
+// function's static here): aligned, not bounds-checked. N is 16, or 4 (the 8-bit cache's
+// scale pairs).
+template <int N> inline void cp_async_n(void* dst, const void* src, bool ok) {
+    const char* d = (const char*)dst;
+    if (d >= emu::smem && d < emu::smem + emu::smem_bytes) {
+        const unsigned a = smem_addr(dst);
+        if (a % N || a + N > emu::smem_bytes) emu::die("cp.async destination misaligned or out of bounds");
+    } else if ((uintptr_t)d % N) {
+        emu::die("cp.async destination misaligned");
+    }
     if (ok) {
         const char* s = (const char*)src;
-        if (s < emu::gbase || s + 16 > emu::gbase + emu::gbytes || (s - emu::gbase) % 16)
+        if (s < emu::gbase || s + N > emu::gbase + emu::gbytes || (s - emu::gbase) % N)
             emu::die("cp.async source outside the cache");
-        std::memcpy(dst, src, 16);
+        std::memcpy(dst, src, N);
     } else {
-        std::memset(dst, 0, 16);
+        std::memset(dst, 0, N);
     }
 }
+inline void cp_async16(void* dst, const void* src, bool ok) { cp_async_n<16>(dst, src, ok); }
+inline void cp_async4(void* dst, const void* src, bool ok) { cp_async_n<4>(dst, src, ok); }
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 
