@@ -32,8 +32,8 @@ import numpy as np
 from .checks import count, positive_int, token_ids
 from .errors import ConfigError
 
-__all__ = ["propose", "accept_greedy", "accept_sampled", "DEFAULT_K", "DEFAULT_MAX_NGRAM",
-           "DEFAULT_MIN_NGRAM"]
+__all__ = ["propose", "accept_greedy", "accept_sampled", "accept_drawn", "DEFAULT_K",
+           "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM"]
 
 #: Guesses a row: verifying ``k + 1`` tokens costs about one decode at small batch.
 DEFAULT_K = 4
@@ -152,3 +152,31 @@ def accept_sampled(draft, probs, accept_u, sample_u) -> list[int]:
         if u >= p[i, d] and rest.any():          # rejected: the target's token instead
             return draft[:i] + [_sample(rest, sample_u)]
     return draft + [_sample(p[k], sample_u)]
+
+
+def accept_drawn(guess, drawn) -> np.ndarray:
+    """Which of a step's drawn tokens a speculating engine keeps. The draws come in row
+    order, each sequence's rows together: its own row (``guess[i]`` -1), then a row for
+    each of its guesses, whose input was ``guess[i]``. Every row drew a token from the
+    target: greedy, its argmax; sampled, a sample with the sequence's stream at that
+    token's place in the answer. A draw is kept if its row is a sequence's own, or if the
+    draw before it was kept and drew exactly the guess this row took as input.
+
+    For greedy rows this is :func:`accept_greedy`. For sampled rows it is the rejection
+    rule of :func:`accept_sampled` with one uniform doing both jobs: the guess ``d`` is
+    kept when the target's sample is ``d`` (probability ``p(d)``), and otherwise that
+    sample, which is not ``d``, is distributed as ``p`` with ``d`` removed and
+    renormalised. Since the uniform is the one the sequence would have used without
+    speculation, it draws the very tokens it would have drawn without it. Returns a bool
+    array."""
+    guess = np.asarray(guess, dtype=np.int64)
+    drawn = np.asarray(drawn, dtype=np.int64)
+    if guess.shape != drawn.shape or guess.ndim != 1:
+        raise ConfigError(f"accept_drawn: one guess (or -1) per drawn token, got shapes "
+                          f"{guess.shape} and {drawn.shape}")
+    if len(guess) and guess[0] >= 0:
+        raise ConfigError("accept_drawn: the first row is a sequence's own (guess -1)")
+    keep = np.ones(len(drawn), dtype=bool)
+    for i in np.flatnonzero(guess >= 0).tolist():
+        keep[i] = keep[i - 1] and drawn[i - 1] == guess[i]
+    return keep
