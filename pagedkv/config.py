@@ -74,13 +74,14 @@ class SamplingParams:
 class Speculation:
     """Speculative decoding's settings (:mod:`pagedkv.speculate`): a sequence guesses up to
     ``k`` tokens a step by prompt lookup (the tokens that followed the latest earlier
-    occurrence of its last ``max_ngram`` down to ``min_ngram`` tokens), and one pass
-    verifies them. No row guesses in a step where more than ``max_batch`` sequences
-    decode: there a guessed row costs about what a decoded one does, and the step would
-    lose the device's running ahead (guessing needs the newest token on the host)."""
+    occurrence of its last ``max_ngram`` down to ``min_ngram`` tokens: a lone repeated
+    token guesses wrong too often), and one pass verifies them. No row guesses in a step
+    where more than ``max_batch`` sequences decode: there a guessed row costs about what a
+    decoded one does, and the step would lose the device's running ahead (guessing needs
+    the newest token on the host)."""
     k: int = 4
     max_ngram: int = 3
-    min_ngram: int = 1
+    min_ngram: int = 2
     max_batch: int = 32
 
     def __post_init__(self):

@@ -32,8 +32,8 @@ import numpy as np
 from .checks import count, positive_int, token_ids
 from .errors import ConfigError
 
-__all__ = ["propose", "accept_greedy", "accept_sampled", "accept_drawn", "DEFAULT_K",
-           "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM"]
+__all__ = ["propose", "Lookup", "accept_greedy", "accept_sampled", "accept_drawn",
+           "DEFAULT_K", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM"]
 
 #: Guesses a row: verifying ``k + 1`` tokens costs about one decode at small batch.
 DEFAULT_K = 4
@@ -77,6 +77,39 @@ def propose(tokens, k: int = DEFAULT_K, *, max_ngram: int = DEFAULT_MAX_NGRAM,
             after = int(found[-1]) + n        # the most recent occurrence's next token
             return ids[after:after + k].tolist()
     return []
+
+
+class Lookup:
+    """:func:`propose` for one growing sequence, at O(``max_ngram``) work a token instead
+    of a pass over the whole sequence at every step: an index from each n-gram (``n``
+    from ``min_ngram`` to ``max_ngram``) to where its latest occurrence ended, the
+    sequence's own last n-grams left out (they are what is looked up). The engine keeps
+    one per sequence that guesses; ``propose(tokens, k)`` gives what :func:`propose`
+    gives, for a list of ids that only grows between calls (the sequence's own)."""
+
+    def __init__(self, *, max_ngram: int = DEFAULT_MAX_NGRAM,
+                 min_ngram: int = DEFAULT_MIN_NGRAM):
+        self.max_ngram = positive_int(max_ngram, "max_ngram")
+        self.min_ngram = positive_int(min_ngram, "min_ngram")
+        if min_ngram > max_ngram:
+            raise ConfigError(f"min_ngram must be at most max_ngram, got min_ngram="
+                              f"{min_ngram} and max_ngram={max_ngram}")
+        self.ends: dict = {}      # n-gram (a tuple) -> the end of its latest occurrence
+        self.indexed = 0          # the n-grams ending at or before this are in ``ends``
+
+    def propose(self, tokens: list, k: int) -> list[int]:
+        """Up to ``k`` guesses after ``tokens``, as :func:`propose` makes them."""
+        length = len(tokens)
+        lo, hi = self.min_ngram, self.max_ngram
+        for end in range(self.indexed + 1, length):       # every n-gram but the last ones
+            for n in range(lo, min(hi, end) + 1):
+                self.ends[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, length - 1)
+        for n in range(min(hi, length - 1), lo - 1, -1):
+            end = self.ends.get(tuple(tokens[length - n:]))
+            if end is not None:
+                return tokens[end:end + k]
+        return []
 
 
 def accept_greedy(draft, target) -> list[int]:

@@ -316,7 +316,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny):
     p = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3)
     exact = _joint(tiny, prompt, 4, p)
     engine = Engine(tiny, num_blocks=1200, block_size=16, max_seqs=256, runner="fast-eager",
-                    speculate=Speculation(max_batch=256))
+                    speculate=Speculation(max_batch=256, min_ngram=1))
     rec = Recorder(engine)
     seeds = rng.integers(0, 2**62, 1500).tolist()
     reqs = []

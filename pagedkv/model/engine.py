@@ -214,6 +214,7 @@ class Engine:
         req.live.remove(seq)
         req.finished.append(seq)
         seq.ended = True
+        seq.lookup = None                      # (speculation's index: no more guesses)
         if free:
             self._release(seq)
 

@@ -46,7 +46,7 @@ from ..checks import cdiv, positive_int
 from ..errors import AuditError, ConfigError, OutOfBlocks
 from ..kernels.sampling import derive_seed
 from ..scheduler import Memory, Plan
-from ..speculate import propose
+from ..speculate import Lookup
 from ..swap import HostPool, Swapper
 from .requests import Sequence
 
@@ -389,8 +389,7 @@ class EngineMemory(Memory):
             left = min(room, spec.k, req.params.max_new_tokens - seq.planned - 1)
             if left <= 0 or not _may_guess(seq, req):
                 continue
-            guesses = propose(seq.tokens, left, max_ngram=spec.max_ngram,
-                              min_ngram=spec.min_ngram)
+            guesses = self._propose(seq, left)
             if not guesses:
                 continue
             try:
@@ -487,9 +486,16 @@ class EngineMemory(Memory):
         spec = self.speculation
         if spec is None or not rows or len(rows.seqs) > spec.max_batch:
             return False
-        return any(r.params.beam_width == 1 and not _may_guess(s, r) and
-                   propose(s.tokens, 1, max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
+        return any(r.params.beam_width == 1 and not _may_guess(s, r) and self._propose(s, 1)
                    for s, r in zip(rows.seqs, rows.reqs))
+
+    def _propose(self, seq, k: int) -> list:
+        """Up to ``k`` guesses after the sequence's tokens (:func:`~pagedkv.speculate.propose`,
+        by the sequence's own incremental :class:`~pagedkv.speculate.Lookup`)."""
+        if seq.lookup is None:
+            spec = self.speculation
+            seq.lookup = Lookup(max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
+        return seq.lookup.propose(seq.tokens, k)
 
     def _draws(self, draws, beams, inputs, follow, guess, speculative) -> Draws:
         """:class:`Draws` of ``(logits row, request, sequence)`` triples, in order (and the
