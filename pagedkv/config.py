@@ -78,11 +78,15 @@ class Speculation:
     token guesses wrong too often), and one pass verifies them. No row guesses in a step
     where more than ``max_batch`` sequences decode: there a guessed row costs about what a
     decoded one does, and the step would lose the device's running ahead (guessing needs
-    the newest token on the host)."""
+    the newest token on the host). Nor does a sequence whose lookup's first guess was the
+    token that came less than ``min_rate`` of the time lately
+    (:class:`~pagedkv.speculate.Lookup`'s ``rate``): its guesses would cost rows and the
+    device's running ahead for too few tokens. It guesses again once they come right."""
     k: int = 4
     max_ngram: int = 3
     min_ngram: int = 2
     max_batch: int = 32
+    min_rate: float = 0.3
 
     def __post_init__(self):
         positive_int(self.k, "speculate.k (tokens a row guesses)")
@@ -92,6 +96,10 @@ class Speculation:
             raise ConfigError(f"speculate.min_ngram must be at most max_ngram, got "
                               f"min_ngram={self.min_ngram} and max_ngram={self.max_ngram}")
         positive_int(self.max_batch, "speculate.max_batch")
+        if isinstance(self.min_rate, bool) or not isinstance(self.min_rate, (int, float)) \
+                or not 0 <= self.min_rate <= 1:
+            raise ConfigError(f"speculate.min_rate must be a share in [0, 1], got "
+                              f"{self.min_rate!r}")
 
 
 @dataclass(frozen=True)

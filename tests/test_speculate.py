@@ -119,6 +119,22 @@ def test_the_incremental_lookup_agrees_with_the_oracle_as_a_sequence_grows():
         Lookup(max_ngram=2, min_ngram=3)
 
 
+def test_the_lookup_scores_its_first_guess_against_the_token_that_came():
+    look = Lookup(max_ngram=2, min_ngram=1)
+    assert look.rate == Lookup.RATE_START
+    tokens = [1, 2, 3, 1]
+    assert look.propose(tokens, 2) == [2, 3]           # first guess: 2 at position 4
+    tokens.append(2)                                   # right
+    assert look.propose(tokens, 2) == [3, 1]
+    assert look.rate == 0.5 + 0.5 / 8
+    tokens.append(9)                                   # wrong (3 was guessed)
+    assert look.propose(tokens, 2) == []               # nothing to guess: nothing scored
+    rate = look.rate
+    assert rate == (0.5 + 0.5 / 8) * 7 / 8
+    tokens += [5, 6]
+    assert look.propose(tokens, 0) == [] and look.rate == rate
+
+
 # ---------------------------------------------------------------------- greedy acceptance
 def greedy_oracle(draft, target):
     """The longest a for which the first a guesses are the target's, tried longest first."""

@@ -373,6 +373,20 @@ def test_no_guess_in_a_step_of_more_than_max_batch_sequences(tiny):
         assert (plan.rows.guess < 0).sum() <= 2
 
 
+def test_a_sequence_whose_lookup_misses_stops_guessing(tiny):
+    """min_rate 0 guesses whatever the lookup finds; min_rate 1 never (a lookup starts at
+    a rate of one half); one half, until the first misses. The same answers each time."""
+    prompts = _prompts(SEED + 9, n=4)
+    made, answers = [], []
+    for rate in (0.0, 0.5, 1.0):
+        engine, _, got = _run(tiny, prompts, GREEDY,
+                              speculate=Speculation(min_rate=rate, min_ngram=1))
+        made.append(engine.memory.counts.drafted)
+        answers.append(got)
+    assert made[0] > made[1] > made[2] == 0
+    assert answers[0] == answers[1] == answers[2] == _oracle(tiny, prompts, GREEDY)
+
+
 def test_a_step_that_guesses_lands_at_once_and_others_run_ahead(tiny):
     """At depth 1 a step that guesses lands before the next plan (its tokens are needed to
     know what it kept); so does one whose sequences could guess next (their newest tokens
@@ -406,7 +420,8 @@ def test_speculation_settings_are_checked(tiny):
         with pytest.raises(ConfigError, match=match):
             Engine(tiny, num_blocks=8, speculate=bad)
     for kw, match in [(dict(k=0), "speculate.k"), (dict(min_ngram=4), "min_ngram"),
-                      (dict(max_batch=0), "max_batch"), (dict(max_ngram=1.5), "max_ngram")]:
+                      (dict(max_batch=0), "max_batch"), (dict(max_ngram=1.5), "max_ngram"),
+                      (dict(min_rate=1.5), "min_rate"), (dict(min_rate=True), "min_rate")]:
         with pytest.raises(ConfigError, match=match):
             Speculation(**kw)
 

@@ -377,8 +377,9 @@ class EngineMemory(Memory):
         found by prompt lookup, for the sequences that may guess (not beam search; the
         newest token on the host), at most ``k`` a sequence, none past its
         ``max_new_tokens``, at most ``tokens`` rows in all (what the token budget leaves;
-        None: no limit) and ``max_seqs`` (a pass's most rows), and none in a step of more
-        than ``max_batch`` rows. A guess's slot is reserved: its id is committed once it is
+        None: no limit) and ``max_seqs`` (a pass's most rows), none in a step of more than
+        ``max_batch`` rows, and none for a sequence whose lookup guessed right less than
+        ``min_rate`` of the time lately. A guess's slot is reserved: its id is committed once it is
         verified. Never preempts: a guess whose blocks are not free is not made."""
         spec, n = self.speculation, len(rows.seqs)
         if spec is None or not n or n > spec.max_batch:
@@ -390,7 +391,7 @@ class EngineMemory(Memory):
             if left <= 0 or not _may_guess(seq, req):
                 continue
             guesses = self._propose(seq, left)
-            if not guesses:
+            if not guesses or seq.lookup.rate < spec.min_rate:
                 continue
             try:
                 plan = self.manager.reserve_slots(seq.seq_id, len(guesses))
@@ -487,7 +488,7 @@ class EngineMemory(Memory):
         if spec is None or not rows or len(rows.seqs) > spec.max_batch:
             return False
         return any(r.params.beam_width == 1 and not _may_guess(s, r) and self._propose(s, 1)
-                   for s, r in zip(rows.seqs, rows.reqs))
+                   and s.lookup.rate >= spec.min_rate for s, r in zip(rows.seqs, rows.reqs))
 
     def _propose(self, seq, k: int) -> list:
         """Up to ``k`` guesses after the sequence's tokens (:func:`~pagedkv.speculate.propose`,
