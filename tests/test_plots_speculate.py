@@ -1,0 +1,29 @@
+"""The rollback picture draws a patch per slot and refuses what it cannot draw."""
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from pagedkv.plots.speculate import draw_rewind  # noqa: E402
+
+PANEL = dict(title="after", cells=[("a", "verified")] * 5 + [("b", "kept"), ("c", "rejected")],
+             table=[3, 7], named=[0], freed=[9])
+
+
+def test_a_patch_per_slot():
+    fig = draw_rewind([PANEL], 4)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 3 * 4                    # two blocks mapped, one freed
+    texts = [t.get_text() for t in ax.texts]
+    assert "block 3, named" in texts and "block 9: freed" in texts
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(PANEL, cells=[("a", "verified")] * 9), "do not fit"),
+    (dict(PANEL, cells=[("a", "lost")]), "unknown slot kinds"),
+])
+def test_refusals(bad, words):
+    with pytest.raises(ValueError, match=words):
+        draw_rewind([bad], 4)
+    with pytest.raises(ValueError, match="no panels"):
+        draw_rewind([], 4)
