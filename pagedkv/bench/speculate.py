@@ -174,8 +174,9 @@ def threshold(results: dict) -> dict:
     return out
 
 
-def run(args, model=None, tok=None) -> dict:
-    """Every workload at every batch; ``model`` and ``tok`` default to SmolLM2's."""
+def run(args, model=None, tok=None, save=None) -> dict:
+    """Every workload at every batch; ``model`` and ``tok`` default to SmolLM2's;
+    ``save(results)`` is called after each batch (a run cut short keeps what it did)."""
     single_thread_blas()
     if model is None:
         from ..model import Llama, Tokenizer, load_gguf
@@ -212,7 +213,9 @@ def run(args, model=None, tok=None) -> dict:
             r["results"].setdefault(name, {})[b] = got
             print(line(name, b, got), flush=True)
         del engs
-    r["on_wins_up_to_batch"] = threshold(r["results"])
+        r["on_wins_up_to_batch"] = threshold(r["results"])
+        if save is not None:
+            save(r)
     return r
 
 
@@ -242,11 +245,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write every number to this file")
     args = p.parse_args(argv)
     args.argv = list(argv)
-    r = run(args)
-    print("on wins up to batch:", r["on_wins_up_to_batch"])
-    if args.json:
+    def save(r):
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)
+    r = run(args, save=save if args.json else None)
+    print("on wins up to batch:", r["on_wins_up_to_batch"])
+    if args.json:
         print(f"wrote {args.json}")
     return 0
 
