@@ -27,3 +27,13 @@ def test_refusals(bad, words):
         draw_rewind([bad], 4)
     with pytest.raises(ValueError, match="no panels"):
         draw_rewind([], 4)
+
+
+def test_speedups_draw_a_bar_per_workload_and_batch():
+    from pagedkv.plots.speculate import draw_speedups
+    results = {"repeat": {"1": {"default": {"speedup": 1.8}}, "8": {"default": {"speedup": 1.3}}},
+               "chat": {"1": {"default": {"speedup": 0.9}}, "8": {"default": {"speedup": 1.0}}}}
+    fig = draw_speedups({"CPU": results, "H100": results})
+    assert [len(ax.patches) for ax in fig.axes] == [4, 4]
+    with pytest.raises(ValueError, match="no runs"):
+        draw_speedups({})

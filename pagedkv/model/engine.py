@@ -25,6 +25,13 @@ parallel samples (the prompt prefilled once, forked ``n`` ways) or beam search (
 and are freed; copy-on-write copies a forked beam's partly filled last block when it is
 first written). Beam search ranks each beam's best tokens on the host
 (:mod:`pagedkv.model.sampling`), so a step with beam rows lands before the next is planned.
+
+With ``speculate`` (:class:`~pagedkv.config.Speculation`), a decoding sequence may also
+guess its next tokens (:mod:`pagedkv.speculate`: prompt lookup), each guess a decode row of
+its own in the same pass; the update keeps the guesses the model agreed with
+(:func:`~pagedkv.speculate.accept_drawn`), commits their ids and gives back the slots of the
+rest (``truncate``). A step that guesses lands before the next is planned, as beam search's
+does: which tokens it kept is known only then.
 """
 from __future__ import annotations
 

@@ -28,6 +28,9 @@ and each answer is what it placed, for the scheduler to put in the step's
   there is room to copy them back (and falls back to recompute when the host pool is
   full). Either way its tokens and its sampler's streams are kept: it continues exactly
   where it stopped.
+* **Guesses** (:meth:`EngineMemory.guess`, speculative decoding): what the token budget
+  leaves goes to guessed tokens for the decode rows, a row each, their slots reserved
+  (``reserve_slots``) and their ids committed only once verified.
 * **The seal** (:meth:`EngineMemory.seal`): once the step is decided, which tokens it draws
   (:class:`Draws`: from which row of the step's logits, with which temperature, top-p,
   top-k, seed and counter), and where each decode row's input token comes from: the
