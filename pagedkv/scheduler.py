@@ -12,7 +12,8 @@ queues of requests, each in order:
   back first).
 
 and asks a *memory* (the :class:`Memory` interface below) whether and where their tokens
-fit. :meth:`Scheduler.schedule` makes one step's :class:`Plan`, in two phases:
+fit. :meth:`Scheduler.schedule` makes one step's :class:`Plan`, in two phases (and a third,
+where the memory guesses):
 
 1. :meth:`Scheduler.prefill` — swap requests back in, then hand out the step's **token
    budget**: first one token for every sequence of every running request that decodes;

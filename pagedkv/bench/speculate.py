@@ -1,4 +1,4 @@
-"""Speculative decoding, measured: ``python -m pagedkv.bench.speculate [--quick] [--json PATH]``.
+"""Speculative decoding, measured: ``python -m pagedkv.bench.speculate [--quick]``.
 
 SmolLM2-135M-Instruct answers ``batch`` prompts of one workload, greedily, three times over
 in the same run on the same engine settings, but for speculation:

@@ -382,8 +382,9 @@ class EngineMemory(Memory):
         ``max_new_tokens``, at most ``tokens`` rows in all (what the token budget leaves;
         None: no limit) and ``max_seqs`` (a pass's most rows), none in a step of more than
         ``max_batch`` rows, and none for a sequence whose lookup guessed right less than
-        ``min_rate`` of the time lately. A guess's slot is reserved: its id is committed once it is
-        verified. Never preempts: a guess whose blocks are not free is not made."""
+        ``min_rate`` of the time lately. A guess's slot is reserved: its id is committed
+        once it is verified. Never preempts: a guess whose blocks are not free is not
+        made."""
         spec, n = self.speculation, len(rows.seqs)
         if spec is None or not n or n > spec.max_batch:
             return rows
@@ -464,7 +465,7 @@ class EngineMemory(Memory):
         rows = plan.rows
         inputs, follow = _inputs(rows, self._drawn, here)
         guessed, guess = rows.guessed() if rows else {}, [-1] * len(draws)
-        if guessed:                        # a guess row's input is its guess, from the host
+        if guessed:                       # a guess row's input is its guess (the host's)
             at = rows.guess >= 0
             inputs, follow = np.where(at, rows.guess, inputs), np.where(at, -1, follow)
         speculative = bool(guessed) or self._could_guess(rows)
