@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields, replace
 from .checks import count, is_int, positive_int
 from .errors import ConfigError
 
-__all__ = ["SamplingParams", "EngineConfig", "RUNNERS", "BOOKKEEPINGS", "PREEMPTIONS",
-           "KV_DTYPES"]
+__all__ = ["SamplingParams", "EngineConfig", "Speculation", "RUNNERS", "BOOKKEEPINGS",
+           "PREEMPTIONS", "KV_DTYPES"]
 
 RUNNERS = ("plain", "fast", "fast-eager")
 BOOKKEEPINGS = ("teaching", "fast")
@@ -72,6 +72,38 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding's settings (:mod:`pagedkv.speculate`): a sequence guesses up to
+    ``k`` tokens a step by prompt lookup (the tokens that followed the latest earlier
+    occurrence of its last ``max_ngram`` down to ``min_ngram`` tokens: a lone repeated
+    token guesses wrong too often), and one pass verifies them. No row guesses in a step
+    where more than ``max_batch`` sequences decode: there a guessed row costs about what a
+    decoded one does, and the step would lose the device's running ahead (guessing needs
+    the newest token on the host). Nor does a sequence whose lookup's first guess was the
+    token that came less than ``min_rate`` of the time lately
+    (:class:`~pagedkv.speculate.Lookup`'s ``rate``): its guesses would cost rows and the
+    device's running ahead for too few tokens. It guesses again once they come right."""
+    k: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 2
+    max_batch: int = 32
+    min_rate: float = 0.3
+
+    def __post_init__(self):
+        positive_int(self.k, "speculate.k (tokens a row guesses)")
+        positive_int(self.max_ngram, "speculate.max_ngram")
+        positive_int(self.min_ngram, "speculate.min_ngram")
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(f"speculate.min_ngram must be at most max_ngram, got "
+                              f"min_ngram={self.min_ngram} and max_ngram={self.max_ngram}")
+        positive_int(self.max_batch, "speculate.max_batch")
+        if isinstance(self.min_rate, bool) or not isinstance(self.min_rate, (int, float)) \
+                or not 0 <= self.min_rate <= 1:
+            raise ConfigError(f"speculate.min_rate must be a share in [0, 1], got "
+                              f"{self.min_rate!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an :class:`~pagedkv.model.engine.Engine` is built from, but the model.
 
@@ -93,7 +125,9 @@ class EngineConfig:
       tokens; ``overlap`` plans step n + 1 while the device runs step n (None: where the
       runner is a fast one on a GPU);
     * the answers: ``stop_ids`` end a sequence (unless a request ignores them); ``audit``
-      checks the pool's invariants after every step.
+      checks the pool's invariants after every step;
+    * ``speculate``: guess tokens and verify them in the step's one pass (a
+      :class:`Speculation`, or ``k`` for ``Speculation(k)``; None: off).
     """
     num_blocks: int
     block_size: int = 16
@@ -112,6 +146,7 @@ class EngineConfig:
     chunked_prefill: bool = True
     overlap: bool | None = None
     kv_dtype: str | None = None
+    speculate: Speculation | None = None
 
     def __post_init__(self):
         positive_int(self.num_blocks, "num_blocks")
@@ -146,6 +181,12 @@ class EngineConfig:
             positive_int(self.max_context, "max_context")
         if self.token_budget is not None:
             positive_int(self.token_budget, "token_budget")
+        if is_int(self.speculate):
+            object.__setattr__(self, "speculate",
+                               Speculation(positive_int(self.speculate, "speculate")))
+        elif self.speculate is not None and not isinstance(self.speculate, Speculation):
+            raise ConfigError(f"speculate must be a Speculation, a number of tokens to "
+                              f"guess (k) or None (off), got {self.speculate!r}")
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with ``changes`` (checked again)."""

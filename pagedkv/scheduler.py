@@ -12,7 +12,8 @@ queues of requests, each in order:
   back first).
 
 and asks a *memory* (the :class:`Memory` interface below) whether and where their tokens
-fit. :meth:`Scheduler.schedule` makes one step's :class:`Plan`, in two phases:
+fit. :meth:`Scheduler.schedule` makes one step's :class:`Plan`, in two phases (and a third,
+where the memory guesses):
 
 1. :meth:`Scheduler.prefill` — swap requests back in, then hand out the step's **token
    budget**: first one token for every sequence of every running request that decodes;
@@ -28,6 +29,10 @@ fit. :meth:`Scheduler.schedule` makes one step's :class:`Plan`, in two phases:
    running request is preempted (by swap or by recompute, as the memory chooses) and the
    step is tried again. A request preempted in the step that placed its prefill leaves
    the plan: none of its work runs.
+3. Guesses (speculative decoding, where the memory makes them: :meth:`Memory.guess`):
+   what the budget leaves after the prefill chunks goes to the decode rows as guessed
+   tokens to verify in the same pass. A guess is optional: a waiting prompt comes first,
+   and no guess preempts anyone.
 
 Tokens found in the prefix cache are not computed, so they are not charged: the memory's
 ``to_prefill`` counts only what a request still has to compute.
@@ -71,6 +76,9 @@ class Memory:
       prefilled again (it waits to be admitted). Its placements in this step are void;
       ``placed`` says it had some (K/V not computed yet: nothing to swap out).
     * ``swap_in(req, promised)``: bring a swapped-out request back if it fits.
+    * ``guess(rows, tokens)``: the step's decode placement with guessed tokens to verify
+      (speculative decoding), ``tokens`` rows at most in all (None: no limit); guesses
+      are optional: none is made that would preempt anyone. By default: none.
     * ``seal(plan)``: the step is decided; returns the plan the caller runs (the memory
       may add what only the whole step tells, as the engine's draws).
     """
@@ -102,6 +110,9 @@ class Memory:
 
     def swap_in(self, req, promised: int):
         raise ConfigError("this memory does not swap")
+
+    def guess(self, rows, tokens):
+        return rows
 
     def seal(self, plan: "Plan") -> "Plan":
         return plan
@@ -200,6 +211,8 @@ class Scheduler:
         try:
             chunks = self.prefill()
             decodes = self.decode()
+            if step.rows is not None:              # guesses: what the budget leaves
+                step.rows = self.memory.guess(step.rows, self._left(chunks))
         finally:
             self._step = None
         gone = {id(r) for r in step.preempted}
@@ -209,6 +222,12 @@ class Scheduler:
                     preempted=tuple(step.preempted))
         self.plans += 1
         return self.memory.seal(plan)
+
+    def _left(self, chunks):
+        """Tokens of the budget the step's decode rows may take (None: no budget)."""
+        if self.token_budget is None:
+            return None
+        return self.token_budget - sum(c.tokens for c in chunks)
 
     # ------------------------------------------------------------------ phase 1
     def prefill(self) -> list:

@@ -32,8 +32,8 @@ import numpy as np
 from .checks import count, positive_int, token_ids
 from .errors import ConfigError
 
-__all__ = ["propose", "accept_greedy", "accept_sampled", "DEFAULT_K", "DEFAULT_MAX_NGRAM",
-           "DEFAULT_MIN_NGRAM"]
+__all__ = ["propose", "Lookup", "accept_greedy", "accept_sampled", "accept_drawn",
+           "DEFAULT_K", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM"]
 
 #: Guesses a row: verifying ``k + 1`` tokens costs about one decode at small batch.
 DEFAULT_K = 4
@@ -77,6 +77,53 @@ def propose(tokens, k: int = DEFAULT_K, *, max_ngram: int = DEFAULT_MAX_NGRAM,
             after = int(found[-1]) + n        # the most recent occurrence's next token
             return ids[after:after + k].tolist()
     return []
+
+
+class Lookup:
+    """:func:`propose` for one growing sequence, at O(``max_ngram``) work a token instead
+    of a pass over the whole sequence at every step: an index from each n-gram (``n``
+    from ``min_ngram`` to ``max_ngram``) to where its latest occurrence ended, the
+    sequence's own last n-grams left out (they are what is looked up). The engine keeps
+    one per sequence that guesses; ``propose(tokens, k)`` gives what :func:`propose`
+    gives, for a list of ids that only grows between calls (the sequence's own).
+
+    It also scores itself: ``rate`` is a moving average (over about ``1 / RATE_WEIGHT``
+    guesses) of how often its first guess was the token that came next, checked at the
+    next call, whether or not the guess was used. It starts at ``RATE_START``."""
+
+    RATE_WEIGHT, RATE_START = 1 / 8, 0.5
+
+    def __init__(self, *, max_ngram: int = DEFAULT_MAX_NGRAM,
+                 min_ngram: int = DEFAULT_MIN_NGRAM):
+        self.max_ngram = positive_int(max_ngram, "max_ngram")
+        self.min_ngram = positive_int(min_ngram, "min_ngram")
+        if min_ngram > max_ngram:
+            raise ConfigError(f"min_ngram must be at most max_ngram, got min_ngram="
+                              f"{min_ngram} and max_ngram={max_ngram}")
+        self.ends: dict = {}      # n-gram (a tuple) -> the end of its latest occurrence
+        self.indexed = 0          # the n-grams ending at or before this are in ``ends``
+        self.rate = self.RATE_START
+        self.last = None          # (position, token): its last first guess, to score
+
+    def propose(self, tokens: list, k: int) -> list[int]:
+        """Up to ``k`` guesses after ``tokens``, as :func:`propose` makes them."""
+        length = len(tokens)
+        if self.last is not None and self.last[0] < length:       # score the last guess
+            at, guess = self.last
+            self.rate += ((tokens[at] == guess) - self.rate) * self.RATE_WEIGHT
+            self.last = None
+        lo, hi = self.min_ngram, self.max_ngram
+        for end in range(self.indexed + 1, length):       # every n-gram but the last ones
+            for n in range(lo, min(hi, end) + 1):
+                self.ends[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, length - 1)
+        for n in range(min(hi, length - 1), lo - 1, -1):
+            end = self.ends.get(tuple(tokens[length - n:]))
+            if end is not None:
+                if k:
+                    self.last = (length, tokens[end])
+                return tokens[end:end + k]
+        return []
 
 
 def accept_greedy(draft, target) -> list[int]:
@@ -152,3 +199,31 @@ def accept_sampled(draft, probs, accept_u, sample_u) -> list[int]:
         if u >= p[i, d] and rest.any():          # rejected: the target's token instead
             return draft[:i] + [_sample(rest, sample_u)]
     return draft + [_sample(p[k], sample_u)]
+
+
+def accept_drawn(guess, drawn) -> np.ndarray:
+    """Which of a step's drawn tokens a speculating engine keeps. The draws come in row
+    order, each sequence's rows together: its own row (``guess[i]`` -1), then a row for
+    each of its guesses, whose input was ``guess[i]``. Every row drew a token from the
+    target: greedy, its argmax; sampled, a sample with the sequence's stream at that
+    token's place in the answer. A draw is kept if its row is a sequence's own, or if the
+    draw before it was kept and drew exactly the guess this row took as input.
+
+    For greedy rows this is :func:`accept_greedy`. For sampled rows it is the rejection
+    rule of :func:`accept_sampled` with one uniform doing both jobs: the guess ``d`` is
+    kept when the target's sample is ``d`` (probability ``p(d)``), and otherwise that
+    sample, which is not ``d``, is distributed as ``p`` with ``d`` removed and
+    renormalised. Since the uniform is the one the sequence would have used without
+    speculation, it draws the very tokens it would have drawn without it. Returns a bool
+    array."""
+    guess = np.asarray(guess, dtype=np.int64)
+    drawn = np.asarray(drawn, dtype=np.int64)
+    if guess.shape != drawn.shape or guess.ndim != 1:
+        raise ConfigError(f"accept_drawn: one guess (or -1) per drawn token, got shapes "
+                          f"{guess.shape} and {drawn.shape}")
+    if len(guess) and guess[0] >= 0:
+        raise ConfigError("accept_drawn: the first row is a sequence's own (guess -1)")
+    keep = np.ones(len(drawn), dtype=bool)
+    for i in np.flatnonzero(guess >= 0).tolist():
+        keep[i] = keep[i - 1] and drawn[i - 1] == guess[i]
+    return keep

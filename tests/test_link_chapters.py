@@ -22,7 +22,7 @@ def link(text, self_number=8, every=False):
 
 
 def test_the_toc_numbers_the_chapter_files():
-    assert sorted(CHAPTERS) == list(range(1, 17))
+    assert sorted(CHAPTERS) == list(range(1, 18))
     assert all(f.name.startswith(f"{n:02d}_") for n, f in CHAPTERS.items())
 
 
@@ -41,7 +41,7 @@ def test_single_mentions_and_lists():
 def test_what_is_left_alone():
     text = ("# Chapter 3 in a heading\n"
             "`chapter 3` in code, {doc}`chapter 11\n<11_prefix_caching>` linked,\n"
-            "[chapter 4](04_page_table.ipynb), chapter 8 itself, chapter 17, chapter 9.2,\n"
+            "[chapter 4](04_page_table.ipynb), chapter 8 itself, chapter 18, chapter 9.2,\n"
             "chapters 3 and 40\n"
             "```{exercise} Sharing, as in chapter 7\n:label: ex-x\n\nsee chapter 7\n```\n"
             "```python\n# chapter 5\n```\n")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagedkv.errors import ConfigError
-from pagedkv.speculate import (DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM,
+from pagedkv.speculate import (DEFAULT_K, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, Lookup,
                                accept_greedy, accept_sampled, propose)
 
 SEED = 40
@@ -98,6 +98,41 @@ def test_propose_agrees_with_the_oracle_on_random_sequences():
 def test_propose_refuses_bad_input(args, kwargs, words):
     with pytest.raises(ConfigError, match=words):
         propose(*args, **kwargs)
+
+
+def test_the_incremental_lookup_agrees_with_the_oracle_as_a_sequence_grows():
+    """The engine's Lookup, asked after every few tokens of a growing sequence, guesses
+    what the brute-force oracle guesses from the whole sequence."""
+    rng = random.Random(SEED + 1)
+    print(f"seed {SEED + 1}")
+    for case in range(1500):
+        vocab = rng.choice([2, 3, 5, 50])
+        max_ngram = rng.randrange(1, 6)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        look, tokens = Lookup(max_ngram=max_ngram, min_ngram=min_ngram), []
+        for _ in range(rng.randrange(1, 8)):
+            tokens += [rng.randrange(vocab) for _ in range(rng.randrange(0, 10))]
+            k = rng.randrange(0, 6)
+            assert look.propose(tokens, k) == lookup_oracle(tokens, k, max_ngram,
+                                                            min_ngram), (case, tokens)
+    with pytest.raises(ConfigError, match="at most max_ngram"):
+        Lookup(max_ngram=2, min_ngram=3)
+
+
+def test_the_lookup_scores_its_first_guess_against_the_token_that_came():
+    look = Lookup(max_ngram=2, min_ngram=1)
+    assert look.rate == Lookup.RATE_START
+    tokens = [1, 2, 3, 1]
+    assert look.propose(tokens, 2) == [2, 3]           # first guess: 2 at position 4
+    tokens.append(2)                                   # right
+    assert look.propose(tokens, 2) == [3, 1]
+    assert look.rate == 0.5 + 0.5 / 8
+    tokens.append(9)                                   # wrong (3 was guessed)
+    assert look.propose(tokens, 2) == []               # nothing to guess: nothing scored
+    rate = look.rate
+    assert rate == (0.5 + 0.5 / 8) * 7 / 8
+    tokens += [5, 6]
+    assert look.propose(tokens, 0) == [] and look.rate == rate
 
 
 # ---------------------------------------------------------------------- greedy acceptance

@@ -25,6 +25,13 @@ parallel samples (the prompt prefilled once, forked ``n`` ways) or beam search (
 and are freed; copy-on-write copies a forked beam's partly filled last block when it is
 first written). Beam search ranks each beam's best tokens on the host
 (:mod:`pagedkv.model.sampling`), so a step with beam rows lands before the next is planned.
+
+With ``speculate`` (:class:`~pagedkv.config.Speculation`), a decoding sequence may also
+guess its next tokens (:mod:`pagedkv.speculate`: prompt lookup), each guess a decode row of
+its own in the same pass; the update keeps the guesses the model agreed with
+(:func:`~pagedkv.speculate.accept_drawn`), commits their ids and gives back the slots of the
+rest (``truncate``). A step that guesses lands before the next is planned, as beam search's
+does: which tokens it kept is known only then.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from ..config import EngineConfig, SamplingParams
 from ..errors import AuditError, ConfigError
 from ..prefix_cache import PrefixCachingManager
 from ..scheduler import Scheduler
+from ..speculate import accept_drawn
 from .llama import Llama, PagedKV
 from .memory import EngineMemory
 from .requests import Request
@@ -77,7 +85,7 @@ class Engine:
                                manager_cls=lambda *a: cache_cls(*a, caching=c.prefix_caching))
         self.memory = EngineMemory(kv.manager, max_seqs=c.max_seqs, watermark=c.watermark,
                                    preemption=c.preemption, host_blocks=c.host_blocks,
-                                   stop_ids=c.stop_ids)
+                                   stop_ids=c.stop_ids, speculation=c.speculate)
         self.runner = make_runner(c.runner, model, kv, max_seqs=c.max_seqs,
                                   max_context=c.max_context, prefill_chunk=c.prefill_chunk,
                                   stop_ids=c.stop_ids)
@@ -127,12 +135,12 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list:
         """Plan a step and launch it, then land every step but the last ``depth`` (all of
-        them when nothing is left to plan, and a step with beam rows at once: the host
-        ranks them before the next plan). Returns the requests the landed steps
-        finished."""
+        them when nothing is left to plan, and a step with beam rows or guesses at once:
+        the host ranks them, or keeps what it verified, before the next plan). Returns the
+        requests the landed steps finished."""
         plan = self.scheduler.schedule()
         self.flight.append((plan, self.runner.launch(plan)))
-        keep = 0 if plan.draws.beams else self.depth
+        keep = 0 if plan.draws.lands_now else self.depth
         done = []
         while self.flight and (len(self.flight) > keep or not self.scheduler):
             plan, launched = self.flight.popleft()
@@ -159,8 +167,10 @@ class Engine:
         sequences all ended leave. Returns them."""
         d, m = plan.draws, self.memory.manager
         stops, ids, tokens, ended = self.config.stop_ids, [], [], []
-        for req, seq, token in zip(d.reqs, d.seqs, out.tokens.tolist()):
-            if seq.ended:
+        drawn = out.tokens.tolist()
+        keep = accept_drawn(d.guess, drawn) if d.speculative else None
+        for i, (req, seq, token) in enumerate(zip(d.reqs, d.seqs, drawn)):
+            if seq.ended or (keep is not None and not keep[i]):
                 continue
             seq.tokens.append(token)
             ids.append(seq.seq_id)
@@ -169,6 +179,8 @@ class Engine:
             if seq.num_generated >= p.max_new_tokens or (token in stops and not p.ignore_eos):
                 self._retire(req, seq, free=False)
                 ended.append((req, seq))
+        if keep is not None:
+            self._rewind(plan, keep)
         m.commit_landed(ids, tokens)                # a reserved slot's K/V is its token's
         for req, seq in ended:
             self._release(seq)
@@ -189,12 +201,28 @@ class Engine:
             self.on_step(self)
         return done
 
+    def _rewind(self, plan, keep) -> None:
+        """Speculation's rollback, once a step's draws are kept or not: a sequence that
+        guessed keeps the K/V of the guesses it took (every token but its newest has
+        them), their ids committed, and gives back the slots of the rest (``truncate``:
+        blocks wholly past them are freed). Nothing of it is on its way any more."""
+        m, d = self.memory.manager, plan.draws
+        self.memory.counts.accepted += int(keep[d.guess >= 0].sum())
+        for seq, guesses in plan.rows.guessed().items():
+            if seq.seq_id in m:
+                had = m.num_tokens(seq.seq_id) - len(guesses)   # K/V before the guesses
+                verified = max(len(seq.tokens) - 1 - had, 0)
+                m.commit([seq.seq_id] * verified, guesses[:verified])
+                m.truncate(seq.seq_id, had + verified)
+            seq.planned = seq.num_generated
+
     def _retire(self, req: Request, seq, free: bool = True) -> None:
         """A sequence is complete: it leaves the live ones with its tokens (its blocks
         freed, unless the caller frees them later)."""
         req.live.remove(seq)
         req.finished.append(seq)
         seq.ended = True
+        seq.lookup = None                      # (speculation's index: no more guesses)
         if free:
             self._release(seq)
 
@@ -255,7 +283,7 @@ class Engine:
             tokens=sum(lengths), copies=self.runner.kv.copies_done,
             running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
             preemptions=self.memory.counts.preemptions,
-            decoded=len(plan.rows.seqs) if plan.rows is not None else 0))
+            decoded=int((plan.rows.guess < 0).sum()) if plan.rows is not None else 0))
 
     # ------------------------------------------------------------------ cancelling
     def cancel(self, req: Request) -> bool:

@@ -28,6 +28,9 @@ and each answer is what it placed, for the scheduler to put in the step's
   there is room to copy them back (and falls back to recompute when the host pool is
   full). Either way its tokens and its sampler's streams are kept: it continues exactly
   where it stopped.
+* **Guesses** (:meth:`EngineMemory.guess`, speculative decoding): what the token budget
+  leaves goes to guessed tokens for the decode rows, a row each, their slots reserved
+  (``reserve_slots``) and their ids committed only once verified.
 * **The seal** (:meth:`EngineMemory.seal`): once the step is decided, which tokens it draws
   (:class:`Draws`: from which row of the step's logits, with which temperature, top-p,
   top-k, seed and counter), and where each decode row's input token comes from: the
@@ -46,6 +49,7 @@ from ..checks import cdiv, positive_int
 from ..errors import AuditError, ConfigError, OutOfBlocks
 from ..kernels.sampling import derive_seed
 from ..scheduler import Memory, Plan
+from ..speculate import Lookup
 from ..swap import HostPool, Swapper
 from .requests import Sequence
 
@@ -64,6 +68,8 @@ class Counts:
     preemptions: int = 0
     swapped_out: int = 0       # blocks copied to the host pool
     swapped_in: int = 0        # blocks copied back
+    drafted: int = 0           # tokens guessed and verified (speculative decoding)
+    accepted: int = 0          # of those, the ones the model agreed with
 
     @property
     def cached_tokens(self) -> int:
@@ -88,13 +94,25 @@ class Part(NamedTuple):
 
 class Rows(NamedTuple):
     """A step's decode rows, one per sequence, each computing one token: the manager's
-    plan for their slots (``slot_mapping``, ``block_tables``, ``seq_lens``, ``copies``)."""
+    plan for their slots (``slot_mapping``, ``block_tables``, ``seq_lens``, ``copies``).
+    A sequence that guesses (speculative decoding) has a row after its own for each
+    guess: ``guess[i]`` is the guessed token row ``i`` takes as input, at the next
+    position, its slot reserved (-1: the sequence's own row, its newest token)."""
     seqs: tuple
     reqs: tuple
     slots: np.ndarray
     block_tables: np.ndarray
     seq_lens: np.ndarray
     copies: np.ndarray
+    guess: np.ndarray
+
+    def guessed(self) -> dict:
+        """Each sequence that guessed, and its guesses in order."""
+        out: dict = {}
+        for seq, g in zip(self.seqs, self.guess.tolist()):
+            if g >= 0:
+                out.setdefault(seq, []).append(g)
+        return out
 
 
 class Draws(NamedTuple):
@@ -106,7 +124,11 @@ class Draws(NamedTuple):
     (``min_tokens``). ``beams``: (request, its logits rows) for beam search, whose host
     step ranks the rows' best tokens instead. ``inputs`` and ``follow``: each decode row's input
     token, from the host (``follow`` -1) or the draw ``follow[i]`` of the step before,
-    then of this step (numbered on after the last step's draws)."""
+    then of this step (numbered on after the last step's draws). ``guess[i]``: the guess
+    draw ``i``'s row took as input (-1: none; it is kept only if the draw before it, of
+    the same sequence, was kept and drew that very token). ``speculative``: the step
+    guessed, or its sequences may guess at the next one: it lands before the next plan,
+    since a guess needs the newest token on the host."""
     rows: np.ndarray
     seqs: tuple
     reqs: tuple
@@ -119,6 +141,14 @@ class Draws(NamedTuple):
     beams: tuple
     inputs: np.ndarray
     follow: np.ndarray
+    guess: np.ndarray
+    speculative: bool
+
+    @property
+    def lands_now(self) -> bool:
+        """Must the step land before the next is planned? When the host decides the next
+        rows: beam search ranks, speculation guesses."""
+        return bool(self.beams) or self.speculative
 
     @property
     def greedy(self) -> bool:
@@ -141,11 +171,14 @@ class EngineMemory(Memory):
     ``"swap"`` into a host pool of ``host_blocks`` blocks), at most ``max_seqs``
     sequences running, ``stop_ids`` the end tokens (``min_tokens`` bans them). It makes
     the sequences (their ids and the requests' from one counter) and counts what the
-    engine prefilled and preempted (``counts``). ``running`` is the scheduler's list of
-    running requests (set by who makes both)."""
+    engine prefilled, preempted and guessed (``counts``). ``running`` is the scheduler's
+    list of running requests (set by who makes both). ``speculation`` (a
+    :class:`~pagedkv.config.Speculation`, or None) lets decode rows guess
+    (:meth:`guess`)."""
 
     def __init__(self, manager, *, max_seqs: int, watermark: float = 0.01,
-                 preemption: str = "recompute", host_blocks: int = 0, stop_ids=()):
+                 preemption: str = "recompute", host_blocks: int = 0, stop_ids=(),
+                 speculation=None):
         if isinstance(watermark, bool) or not 0 <= watermark < 1:
             raise ConfigError(f"watermark must be a share of the pool in [0, 1), "
                               f"got {watermark!r}")
@@ -162,6 +195,7 @@ class EngineMemory(Memory):
         elif preemption != "recompute":
             raise ConfigError(f"preemption must be 'recompute' or 'swap', "
                               f"got {preemption!r}")
+        self.speculation = speculation     # a config.Speculation, or None: no guesses
         self.running: list = []
         self.counts = Counts()
         self.ids = itertools.count()
@@ -336,9 +370,41 @@ class EngineMemory(Memory):
         if known:
             self.manager.commit([s.seq_id for s in known], [s.tokens[-1] for s in known])
         if plan is None:
-            return Rows((), (), *(np.zeros(0, np.int32),) * 3, NO_PAIRS)
+            return Rows((), (), *(np.zeros(0, np.int32),) * 3, NO_PAIRS,
+                        np.zeros(0, np.int32))
         return Rows(tuple(seqs), tuple(owners), plan.slot_mapping, plan.block_tables,
-                    plan.seq_lens, plan.copies)
+                    plan.seq_lens, plan.copies, np.full(len(seqs), -1, np.int32))
+
+    def guess(self, rows: Rows, tokens=None) -> Rows:
+        """Speculative decoding (:mod:`pagedkv.speculate`): the decode rows with guesses,
+        found by prompt lookup, for the sequences that may guess (not beam search; the
+        newest token on the host), at most ``k`` a sequence, none past its
+        ``max_new_tokens``, at most ``tokens`` rows in all (what the token budget leaves;
+        None: no limit) and ``max_seqs`` (a pass's most rows), none in a step of more than
+        ``max_batch`` rows, and none for a sequence whose lookup guessed right less than
+        ``min_rate`` of the time lately. A guess's slot is reserved: its id is committed
+        once it is verified. Never preempts: a guess whose blocks are not free is not
+        made."""
+        spec, n = self.speculation, len(rows.seqs)
+        if spec is None or not n or n > spec.max_batch:
+            return rows
+        room = self.max_seqs - n if tokens is None else min(tokens, self.max_seqs) - n
+        drafts = {}
+        for seq, req in zip(rows.seqs, rows.reqs):
+            left = min(room, spec.k, req.params.max_new_tokens - seq.planned - 1)
+            if left <= 0 or not _may_guess(seq, req):
+                continue
+            guesses = self._propose(seq, left)
+            if not guesses or seq.lookup.rate < spec.min_rate:
+                continue
+            try:
+                plan = self.manager.reserve_slots(seq.seq_id, len(guesses))
+            except OutOfBlocks:
+                break
+            drafts[seq] = (guesses, plan)
+            room -= len(guesses)
+            self.counts.drafted += len(guesses)
+        return _with_guesses(rows, drafts, self.manager) if drafts else rows
 
     def preempt(self, req, placed: bool = False) -> tuple:
         """``req`` gives its blocks back, by swap when there is a swapper with room (and
@@ -398,19 +464,48 @@ class EngineMemory(Memory):
         here = {s.seq_id: self._ndrawn + i for i, (_, _, s) in enumerate(draws)}
         rows = plan.rows
         inputs, follow = _inputs(rows, self._drawn, here)
+        guessed, guess = rows.guessed() if rows else {}, [-1] * len(draws)
+        if guessed:                       # a guess row's input is its guess (the host's)
+            at = rows.guess >= 0
+            inputs, follow = np.where(at, rows.guess, inputs), np.where(at, -1, follow)
+        speculative = bool(guessed) or self._could_guess(rows)
         for j, (req, seq) in enumerate(zip(rows.reqs, rows.seqs) if rows else ()):
             if req.params.beam_width > 1:
                 beams.setdefault(req, []).append(len(plan.parts) + j)
             else:
                 draws.append((len(plan.parts) + j, req, seq))
-        self._drawn = {s.seq_id: i for i, (_, _, s) in enumerate(draws)}
+                guess.append(int(rows.guess[j]))
+        # (a sequence that guessed takes its next input from the host: which of its draws
+        # it keeps is known only when the step lands)
+        self._drawn = {s.seq_id: i for i, (_, _, s) in enumerate(draws) if s not in guessed}
         self._ndrawn = len(draws)
         beams = tuple((req, tuple(r)) for req, r in beams.items())
-        return dataclasses.replace(plan, draws=self._draws(draws, beams, inputs, follow))
+        return dataclasses.replace(plan, draws=self._draws(draws, beams, inputs, follow,
+                                                           guess, speculative))
 
-    def _draws(self, draws, beams, inputs, follow) -> Draws:
-        """:class:`Draws` of ``(logits row, request, sequence)`` triples, in order; each
-        sequence's ``planned`` count moves on by its draws."""
+    def _could_guess(self, rows) -> bool:
+        """In a step small enough to guess, could a sequence that cannot guess now (its
+        newest token is not on the host yet) find a guess in its text so far? Then the
+        step lands at once, so that it can guess at the next step; else the device may
+        run ahead."""
+        spec = self.speculation
+        if spec is None or not rows or len(rows.seqs) > spec.max_batch:
+            return False
+        return any(r.params.beam_width == 1 and not _may_guess(s, r) and self._propose(s, 1)
+                   and s.lookup.rate >= spec.min_rate for s, r in zip(rows.seqs, rows.reqs))
+
+    def _propose(self, seq, k: int) -> list:
+        """Up to ``k`` guesses after the sequence's tokens (:func:`~pagedkv.speculate.propose`,
+        by the sequence's own incremental :class:`~pagedkv.speculate.Lookup`)."""
+        if seq.lookup is None:
+            spec = self.speculation
+            seq.lookup = Lookup(max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
+        return seq.lookup.propose(seq.tokens, k)
+
+    def _draws(self, draws, beams, inputs, follow, guess, speculative) -> Draws:
+        """:class:`Draws` of ``(logits row, request, sequence)`` triples, in order (and the
+        guess each row took as input); each sequence's ``planned`` count moves on by its
+        draws."""
         reqs, seqs = tuple(r for _, r, _ in draws), tuple(s for _, _, s in draws)
         for req, seq in zip(reqs, seqs):
             if seq.stream_seed is None:            # its stream, fixed at its first draw
@@ -428,7 +523,7 @@ class EngineMemory(Memory):
             np.array([p.top_k for p in params], np.int32),
             np.array([s.stream_seed for s in seqs], np.uint64),
             np.array(counters, np.int64), ban,
-            tuple(beams), inputs, follow)
+            tuple(beams), inputs, follow, np.array(guess, np.int32), speculative)
 
     def _count(self, part: Part) -> None:
         """Count a part's tokens: computed from ``start`` on, after ``found`` found in the
@@ -468,6 +563,40 @@ def _inputs(rows, before: dict, here: dict):
         else:
             inputs[i] = s.tokens[-1]
     return inputs, follow
+
+
+def _may_guess(seq, req) -> bool:
+    """May the sequence guess its next tokens? Not for beam search (its host step ranks
+    rows instead), and only when its newest token is known on the host (not its first,
+    drawn in this very step, nor one on its way from a step not landed)."""
+    return req.params.beam_width == 1 and seq.planned > 0 and not seq.on_its_way
+
+
+def _with_guesses(rows: Rows, drafts: dict, manager) -> Rows:
+    """``rows`` with each guessing sequence's guesses (``drafts``: sequence -> (guesses,
+    the plan of their reserved slots)) as rows of their own after its row, each one
+    position further on, every one of the sequence's rows reading its page table as the
+    reservation left it."""
+    seqs, reqs, slots, tables, lens, guess = [], [], [], [], [], []
+    for i, (seq, req) in enumerate(zip(rows.seqs, rows.reqs)):
+        guesses, plan = drafts.get(seq, ((), None))
+        table = rows.block_tables[i] if plan is None else \
+            np.asarray(manager.block_table(seq.seq_id), np.int32)
+        start = int(rows.seq_lens[i])
+        seqs += [seq] * (1 + len(guesses))
+        reqs += [req] * (1 + len(guesses))
+        slots += [int(rows.slots[i])] + ([] if plan is None else plan.slots.tolist())
+        tables += [table] * (1 + len(guesses))
+        lens += range(start, start + 1 + len(guesses))
+        guess += [-1] + list(guesses)
+    width = max(len(t) for t in tables)
+    padded = np.full((len(tables), width), -1, np.int32)
+    for row, t in zip(padded, tables):
+        row[:len(t)] = t
+    copies = [rows.copies] + [p.copies.reshape(-1, 2) for _, p in drafts.values()]
+    return Rows(tuple(seqs), tuple(reqs), np.array(slots, np.int32), padded,
+                np.array(lens, np.int32), np.concatenate(copies).astype(np.int32),
+                np.array(guess, np.int32))
 
 
 def _cached_target(seq) -> int:

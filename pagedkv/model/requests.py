@@ -31,6 +31,7 @@ class Sequence:
     prefill: object = field(default=None, repr=False)  # its tokens to prefill, hashed once
     planned: int = -1     # tokens generated or on their way (-1: as many as generated)
     stream_seed: int | None = field(default=None, repr=False)  # its sampler's stream
+    lookup: object = field(default=None, repr=False)  # its n-gram index, while it guesses
     ended: bool = False   # it left its request's live sequences (finished or cancelled)
 
     def __post_init__(self):
