@@ -250,7 +250,9 @@ def test_command_line_errors():
                          (["--stream-interval", "0"], "--stream-interval must be at least 1"),
                          (["--stall-timeout", "0"], "--stall-timeout must be a positive"),
                          (["--allowed-host", "a*.b"], "--allowed-host takes a name"),
-                         (["--api-key", " "], "--api-key is empty")):
+                         (["--api-key", " "], "--api-key is empty"),
+                         (["--speculate", "-1"], "--speculate must be at least 1"),
+                         (["--kv-dtype", "int4"], "invalid choice: 'int4'")):
         r = subprocess.run([sys.executable, "-m", "pagedkv.serve", "--model", "tiny",
                             *flags], capture_output=True, text=True, env=ENV, timeout=60)
         assert r.returncode == 2 and words in r.stderr, (r.returncode, r.stderr)
@@ -274,6 +276,34 @@ def test_metrics(client, server):
     assert _metric(server, "pagedkv_engine_stalled") == 0
     assert 0 <= _metric(server, "pagedkv_engine_heard_age_seconds") < 30
     assert _metric(server, "pagedkv_blocks_total") == 256
+    assert _metric(server, "pagedkv_spec_drafted_tokens_total") == 0     # (no --speculate)
+
+
+def test_speculate_and_int8_flags(oracle):
+    """``--speculate 4 --kv-dtype int8``: the server guesses (its drafted and accepted
+    tokens in /metrics) and answers greedy requests exactly as an engine of its own with
+    the 8-bit cache and no guesses: speculation changes how fast, never what."""
+    prompt = "abc abc abc abc abc abc abc abc abc"
+    ids = oracle.tokenizer.encode(prompt)
+    engine = Engine(oracle.model, num_blocks=256, stop_ids=[oracle.tokenizer.eos_id],
+                    kv_dtype="int8")
+    (req,) = engine.generate([ids], SamplingParams(max_new_tokens=24))
+    gen = req.outputs()[0].generated
+    want = oracle.tokenizer.decode(gen[:-1] if gen[-1] == oracle.tokenizer.eos_id else gen)
+    with ServerProcess("--model", "tiny", "--audit", "--num-blocks", 256, "--speculate", 4,
+                       "--kv-dtype", "int8", env=ENV, timeout=60) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="none", timeout=TIMEOUT,
+                          max_retries=0)
+        assert _metric(s, "pagedkv_spec_drafted_tokens_total") == 0
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == want
+        drafted = _metric(s, "pagedkv_spec_drafted_tokens_total")
+        accepted = _metric(s, "pagedkv_spec_accepted_tokens_total")
+        assert drafted > 0 and 0 <= accepted <= drafted, (drafted, accepted)
+        pool = _idle(s)
+        assert pool["audit"] == "ok" and pool["kv_dtype"] == "int8", pool
+        assert "Traceback" not in s.log(), s.log()
+    assert s.proc.returncode == 0
 
 
 LONG_PROMPT = "x" * 2100        # more bytes than the tiny model's 2048-token context

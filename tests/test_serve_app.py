@@ -25,7 +25,8 @@ TOK = ByteTokenizer()
 
 
 STATS = dict(pool=dict(total=8, used=0, free=8, cached=0), running=0, waiting=0,
-             swapped=0, prompt_tokens_prefilled=0, prompt_tokens_cached=0, requests=0,
+             swapped=0, prompt_tokens_prefilled=0, prompt_tokens_cached=0,
+             drafted_tokens=0, accepted_tokens=0, requests=0,
              rejected=0, prompt_tokens=0, generated_tokens=0, steps=0, failed_steps=0,
              step_seconds=0.0)
 

@@ -33,6 +33,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, metavar="B")
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep full blocks cached by their tokens after their request ends")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
+                   help="the K/V cache's numbers: auto (default: the model's dtype) or "
+                        "int8 (a float16 scale per 32 numbers: about half the bytes a "
+                        "token, so the pool holds about twice the tokens; chapter 13)")
+    p.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="speculative decoding by prompt lookup: a sequence guesses up to "
+                        "K tokens a step and the step's pass verifies them (default 0: "
+                        "off; it pays off where answers repeat their prompt, at small "
+                        "batches; chapter 17)")
     p.add_argument("--max-seqs", type=int, default=0,
                    help="sequences decoding at once (default 256 on a GPU, 32 on a CPU)")
     p.add_argument("--max-waiting", type=int, default=512,
@@ -102,7 +111,7 @@ def _check(args) -> str | None:
                  "stream_interval"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-    for name in ("num_blocks", "max_seqs", "token_budget"):
+    for name in ("num_blocks", "max_seqs", "token_budget", "speculate"):
         if getattr(args, name) < 0:
             return (f"--{name.replace('_', '-')} must be at least 1 (or 0 for the default), "
                     f"got {getattr(args, name)}")
@@ -129,7 +138,9 @@ def engine_spec(args):
                          max_seqs=args.max_seqs, runner=args.runner,
                          block_size=args.block_size, prefix_caching=args.prefix_caching,
                          audit=args.audit, token_budget=args.token_budget or None,
-                         chunked_prefill=not args.no_chunked_prefill)
+                         chunked_prefill=not args.no_chunked_prefill,
+                         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
+                         speculate=args.speculate or None)
 
 
 def limits_of(args):

@@ -222,7 +222,9 @@ class EngineCore:
         return dict(pool=pool_counts(e.memory.manager), running=len(e.scheduler.running),
                     waiting=len(e.scheduler.waiting), swapped=len(e.scheduler.swapped),
                     prompt_tokens_prefilled=e.memory.counts.prompt_tokens,
-                    prompt_tokens_cached=e.memory.counts.cached_tokens, **self.totals)
+                    prompt_tokens_cached=e.memory.counts.cached_tokens,
+                    drafted_tokens=e.memory.counts.drafted,
+                    accepted_tokens=e.memory.counts.accepted, **self.totals)
 
 
 def run_core(core: EngineCore, take, put, beat: float = BEAT) -> bool:

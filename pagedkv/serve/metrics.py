@@ -46,6 +46,10 @@ class ClientCollector:
                 ("pagedkv_prompt_tokens", "prompt_tokens", "Prompt tokens submitted"),
                 ("pagedkv_generation_tokens", "generated_tokens", "Tokens generated"),
                 ("pagedkv_engine_steps", "steps", "Engine steps"),
+                ("pagedkv_spec_drafted_tokens", "drafted_tokens", "Tokens guessed and "
+                 "verified by speculative decoding (--speculate)"),
+                ("pagedkv_spec_accepted_tokens", "accepted_tokens", "Of the guessed "
+                 "tokens, the ones the model agreed with (kept)"),
                 ("pagedkv_engine_step_seconds", "step_seconds", "Seconds the engine's "
                  "core spent in steps (the rest: its commands, and waiting)")):
             yield CounterMetricFamily(name, doc, value=s[key])

@@ -44,7 +44,8 @@ def pool_counts(manager) -> dict:
 
 
 def pool_report(engine, audit: bool) -> dict:
-    """What ``GET /pool`` shows: the map, the counts, the queues, and the manager's audit
+    """What ``GET /pool`` shows: the map, the counts, the cache's dtype and a block's bytes,
+    the queues, and the manager's audit
     if ``audit`` (O(blocks) either way: ask rarely)."""
     m = engine.memory.manager
     answer = "not run (start the server with --audit)"
@@ -55,5 +56,6 @@ def pool_report(engine, audit: bool) -> dict:
         except Exception as exc:  # noqa: BLE001 (reported, not raised)
             answer = f"{type(exc).__name__}: {exc}"
     return dict(blocks=pool_map(m, {}), audit=answer, **pool_counts(m),
-                block_size=engine.config.block_size, running=len(engine.scheduler.running),
+                block_size=engine.config.block_size, kv_dtype=engine.runner.kv.spec.dtype,
+                block_bytes=m.allocator.block_bytes, running=len(engine.scheduler.running),
                 waiting=len(engine.scheduler.waiting), sequences=len(m.seq_ids))
