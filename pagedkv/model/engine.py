@@ -137,15 +137,35 @@ class Engine:
         """Plan a step and launch it, then land every step but the last ``depth`` (all of
         them when nothing is left to plan, and a step with beam rows or guesses at once:
         the host ranks them, or keeps what it verified, before the next plan). Returns the
-        requests the landed steps finished."""
-        plan = self.scheduler.schedule()
-        self.flight.append((plan, self.runner.launch(plan)))
-        keep = 0 if plan.draws.lands_now else self.depth
-        done = []
-        while self.flight and (len(self.flight) > keep or not self.scheduler):
-            plan, launched = self.flight.popleft()
-            done += self.update(plan, self.runner.land(launched))
+        requests the landed steps finished.
+
+        A step that raises (the device failed, say) leaves no step in flight: what was
+        on its way is dropped (:meth:`_abandon`), and the caller cancels the requests it
+        holds, as the server does. The engine then serves on from a clean pool."""
+        try:
+            plan = self.scheduler.schedule()
+            self.flight.append((plan, self.runner.launch(plan)))
+            keep = 0 if plan.draws.lands_now else self.depth
+            done = []
+            while self.flight and (len(self.flight) > keep or not self.scheduler):
+                plan, launched = self.flight.popleft()
+                done += self.update(plan, self.runner.land(launched))
+        except BaseException:
+            self._abandon()
+            raise
         return done
+
+    def _abandon(self) -> None:
+        """After a failed step: the steps in flight never land (their tokens are lost),
+        every live sequence counts only the tokens that landed, and the memory's and the
+        runner's numbering of the steps' draws starts afresh (no row of the next step
+        reads a draw of a step that did not land)."""
+        self.flight.clear()
+        for req in self.scheduler.running:
+            for seq in req.live:
+                seq.planned = seq.num_generated
+        self.memory.forget_draws()
+        self.runner.forget_draws()
 
     def run(self) -> list:
         """Step until every request is done; returns them in the order they finished."""
@@ -308,8 +328,9 @@ class Engine:
         if queue is s.swapped and not all(q.seq_id in swapper.swapped for q in req.live):
             raise AuditError(f"request {req.request_id} is swapped out without all its "
                              f"sequences")
+        for seq in list(req.live):         # (a free that fails leaves the rest held by req)
+            self._release(seq)
+            self._retire(req, seq, free=False)
         s.drop(req)
-        for seq in list(req.live):
-            self._retire(req, seq)
         return True
 

@@ -483,6 +483,11 @@ class EngineMemory(Memory):
         return dataclasses.replace(plan, draws=self._draws(draws, beams, inputs, follow,
                                                            guess, speculative))
 
+    def forget_draws(self) -> None:
+        """A step failed: no draw of the steps before it is on the device for the next
+        step's rows to read; they all take their input from the host."""
+        self._drawn, self._ndrawn = {}, 0
+
     def _could_guess(self, rows) -> bool:
         """In a step small enough to guess, could a sequence that cannot guess now (its
         newest token is not on the host yet) find a guess in its text so far? Then the

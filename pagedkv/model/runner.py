@@ -132,6 +132,11 @@ class ModelRunner:
         done = self._download(self._drawn[now, :len(d.rows)], host)
         return Launched(plan, done, host, (first, logits))
 
+    def forget_draws(self) -> None:
+        """A step failed (:meth:`Engine._abandon <pagedkv.model.engine.Engine._abandon>`):
+        no row of the next step reads a draw of the steps before it."""
+        self._last_draws = 0
+
     def land(self, launched: Launched) -> StepOutput:
         """Wait for a launched step; its draws, and its beam rows' best tokens."""
         if launched.done is not None:
