@@ -228,6 +228,57 @@ def test_masked_tokens_are_never_drawn(xp):
     assert len(np.unique(got)) == 28
 
 
+# ------------------------------------------------------------------ top-k and top-p together
+
+# probabilities [.4, .3, .2, .1]: top-k first, then top-p of what top-k kept (its mass, not
+# the row's): (top_k, top_p, the tokens kept), each worked by hand
+TOGETHER = [
+    (2, 0.5, [0]),            # top-k keeps .7; .4 >= .5 * .7: the first alone
+    (2, 0.6, [0, 1]),         # .4 < .42: both
+    (3, 0.75, [0, 1]),        # .7 >= .75 * .9 = .675 (of the row's mass, .7 < .75: three)
+    (3, 0.8, [0, 1, 2]),      # .7 < .72
+    (1, 0.1, [0]),
+    (4, 0.5, [0, 1]),         # top-k keeps all: top-p alone (.4 < .5 <= .7)
+    (0, 0.35, [0]),           # top-k off
+    (2, 1.0, [0, 1]),         # top-p off
+]
+
+
+@pytest.mark.parametrize("top_k, top_p, want", TOGETHER)
+def test_top_k_and_top_p_together_keep_exactly_the_rules_tokens(xp, top_k, top_p, want):
+    """The rule's set, worked by hand, for probabilities [.4, .3, .2, .1]: the kept set,
+    and 2,000 draws that fall only in it (all of them on the first token where it is
+    alone)."""
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1])).astype(np.float32)
+    kept = host(kept_tokens(xp.asarray(logits[None, :]), 1.0, top_p, top_k))[0]
+    assert np.flatnonzero(kept).tolist() == want
+    drawn = draw(xp, logits, 2000, 1.0, top_p, top_k, 60 + top_k)
+    assert set(np.unique(drawn).tolist()) == set(want)
+
+
+COMBINED = [  # (temperature, top_p, top_k): each cut by both, top-p inside top-k's set
+    (0.6, 0.6, 6), (1.0, 0.8, 8), (1.7, 0.5, 3), (1.0, 0.75, 12)]
+
+
+@pytest.mark.parametrize("t, top_p, top_k", COMBINED)
+def test_combined_settings_follow_the_exact_distribution(xp, t, top_p, top_k):
+    """Histograms of 20,000 draws against the oracle's distribution for settings where
+    top-k and top-p both cut (checked here: the set differs from either alone), on a row
+    with ties at the k-th token."""
+    seed = 81 + COMBINED.index((t, top_p, top_k))
+    rng = rng_for(seed)
+    logits = np.concatenate([np.log([0.4, 0.3, 0.2, 0.1]),
+                             rng.normal(size=20) - 3]).astype(np.float32)
+    logits[[4, 5]] = logits[2]                      # ties with the third most likely
+    q = oracle_probs(logits, t, top_p, top_k)
+    alone = [oracle_probs(logits, t, 1.0, top_k), oracle_probs(logits, t, top_p, 0)]
+    assert all(np.count_nonzero(q) != np.count_nonzero(a) for a in alone)
+    tokens = draw(xp, logits, 20_000, t, top_p, top_k, seed)
+    ok, stat, pvalue = fits(tokens, q)
+    print(f"kept {np.count_nonzero(q)} tokens, chi-square {stat:.1f}, p-value {pvalue:.3g}")
+    assert ok
+
+
 # ------------------------------------------------------------------ distributions
 
 CONFIGS = [  # (temperature, top_p, top_k)
