@@ -21,7 +21,7 @@ from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
 from pagedkv.model.requests import SamplingParams
-from pagedkv.scheduler import Scheduler
+from pagedkv.scheduler import Chunk, Scheduler
 from test_scheduler import Counted, Req
 
 single_thread_blas()
@@ -150,6 +150,70 @@ def test_a_swapped_request_that_does_not_fit_the_budget_stays_out():
     plan = s.schedule()
     assert plan.swap_ins == () and list(s.swapped) == [a]
     assert plan.decodes == tuple(runners)
+
+
+def test_the_plan_holds_what_the_memory_placed():
+    """A request placed in a step and preempted in it leaves the plan with its
+    placements and is recomputed (its K/V were never computed: nothing to swap); the
+    plan holds the others' placements, their decode rows and the preemption."""
+    mem = Swapping(2, 20)                       # 8 tokens
+    s = Scheduler(mem, token_budget=None)
+    a, b, c = Req(0, 4, 3), Req(1, 3, 3), Req(2, 1, 1)
+    s.waiting.extend([a, b, c])
+    plan = s.schedule()
+    assert plan.parts == ((a, (0, 4)),) and plan.rows == [(0, 1)]
+    assert plan.decodes == (a,) and plan.preempted == (b,)
+    assert plan.swap_outs == () and mem.outs == 0 and list(s.waiting) == [b, c]
+
+
+def test_a_request_preempted_without_placements_is_swapped_out():
+    """The victim (here the oldest running request) placed nothing this step while a
+    newer one did: it is swapped out, not recomputed, and the plan says so."""
+    mem = Swapping(3, 20)
+    s = Scheduler(mem, token_budget=None, victim=lambda running: running[0])
+    a, b = Req(0, 4, 5), Req(1, 4, 5)
+    s.waiting.append(a)
+    s.schedule()
+    a.generated += 1
+    s.waiting.append(b)
+    plan = s.schedule()                          # b placed; a's growth preempts a
+    assert plan.parts == ((b, (1, 4)),) and plan.preempted == (a,)
+    assert plan.swap_outs == ((a, [("out", 0, 2)]),) and list(s.swapped) == [a]
+    assert plan.decodes == (b,) and not s.waiting
+
+
+def test_a_refused_swap_in_leaves_the_budget_to_the_prefills():
+    """A swapped request that does not fit (memory, then max_seqs) stays out, and the
+    prefill under way still gets its chunk of the budget."""
+    for blocks, max_seqs in ((3, 4), (9, 1)):
+        mem = Swapping(blocks, 20)
+        s = Scheduler(mem, token_budget=8, max_seqs=max_seqs)
+        p, q = Req(0, 12, 3), Req(1, 4, 3)
+        assert mem._take(p, 4) is not None       # p: 4 of its 12 tokens placed
+        s.running.append(p)
+        s.prefilling[p] = None
+        q.placed, q.generated = 9, 5
+        mem.parked[q.rid], mem.host_free = 3, 17
+        s.swapped.append(q)
+        plan = s.schedule()
+        assert plan.swap_ins == () and list(s.swapped) == [q]
+        assert plan.chunks == (Chunk(p, 7, False),)
+
+
+def test_swap_ins_stop_at_max_seqs():
+    """Three swapped requests that all fit the memory; two may run at once: two come back,
+    the most recently preempted first."""
+    mem = Swapping(20, 20)
+    s = Scheduler(mem, token_budget=None, max_seqs=2)
+    reqs = [Req(i, 4, 9) for i in range(3)]
+    for r in reqs:
+        r.placed, r.generated = 5, 1
+        mem.parked[r.rid] = 2
+        mem.host_free -= 2
+        s.swapped.append(r)
+    plan = s.schedule()
+    assert [r for r, _ in plan.swap_ins] == reqs[:2] and s.running == reqs[:2]
+    assert list(s.swapped) == reqs[2:] and plan.decodes == tuple(reqs[:2])
 
 
 # ------------------------------------------------------------------ the engine

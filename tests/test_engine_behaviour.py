@@ -369,3 +369,43 @@ def test_a_cancel_that_fails_leaves_the_pool_clean(tiny, overlap):
     engine.run()
     assert sorted(_answers(other)) == sorted(_oracle(tiny, prompts[1], params, STOP))
     assert m.allocator.num_free == 200 and len(m) == 0
+
+
+# ------------------------------------------------------------------ what a step records
+
+def test_history_records_the_pool_after_every_step(tiny, monkeypatch):
+    """After each step ``history`` holds the pool as the manager and the scheduler tell
+    it (read here straight from them): blocks used and shared, the blocks sharing
+    saves, sequences and their tokens, copies made, the three queues, preemptions and
+    the rows the step decoded; it keeps the last ``history_steps`` steps; ``on_step``
+    sees each step."""
+    monkeypatch.setattr(Engine, "history_steps", 4)
+    seen, plans = [], []
+    engine = _engine(tiny, num_blocks=14, stop_ids=(), on_step=seen.append,
+                     runner="plain")
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    assert engine.history.maxlen == 4
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, n=3, seed=2)
+    reqs = [engine.submit(p, params) for p in _prompts(SEED, (12, 20, 7))]
+    m, s = engine.memory.manager, engine.scheduler
+    records = []
+    while engine.has_work():
+        engine.step()
+        lengths = [m.num_tokens(i) for i in m.seq_ids]
+        mapped = sum(-(-n // 8) for n in lengths)
+        rows = plans[-1].rows
+        assert engine.history[-1] == dict(
+            used_blocks=m.allocator.num_used, shared_blocks=m.allocator.num_shared,
+            blocks_saved=mapped - m.allocator.num_used, sequences=len(lengths),
+            tokens=sum(lengths), copies=engine.runner.kv.copies_done,
+            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            preemptions=engine.memory.counts.preemptions,
+            decoded=len(rows.seqs) if rows is not None else 0)
+        assert seen[-1] is engine and len(seen) == len(plans)
+        records.append(engine.history[-1])
+    assert len(engine.history) == 4 and list(engine.history) == records[-4:]
+    assert all(r.done for r in reqs)
+    for key in ("shared_blocks", "blocks_saved", "copies", "waiting", "preemptions",
+                "decoded"):
+        assert max(r[key] for r in records) > 0, key     # each one moved in this run

@@ -402,6 +402,34 @@ def test_a_rows_token_depends_on_its_own_row_alone(xp):
         assert alone[0] == base[i]
 
 
+# ------------------------------------------------------------------ packed parameters
+
+def test_packed_parameters_draw_what_the_arrays_draw():
+    """``pack_rows`` lays five lists of host numbers out as one uint64 [5, rows] array
+    (temperature and top-p as float64 bits, then top-k, seed and counter), and
+    ``sample_packed`` draws from it what ``sample_rows`` draws from the arrays."""
+    from pagedkv.kernels.sampling import pack_rows, sample_packed
+    rng = rng_for(91)
+    rows = 40
+    logits = rng.normal(size=(rows, 50)).astype(np.float32) * 2
+    t = rng.choice([0.0, 0.5, 1.0, 1.7], rows).tolist()
+    p = rng.choice([1.0, 0.9, 0.5], rows).tolist()
+    k = rng.choice([0, 1, 5, 20], rows).tolist()
+    seeds = rng.integers(0, 2**63, rows).tolist()
+    seeds[0] = 2**64 - 1                                  # the largest seed survives
+    counters = rng.integers(0, 10**6, rows).tolist()
+    packed = pack_rows(t, p, k, seeds, counters)
+    assert packed.dtype == np.uint64 and packed.shape == (5, rows)
+    assert packed[0].view(np.float64).tolist() == t and packed[1].view(np.float64).tolist() == p
+    assert packed[2:].tolist() == [k, seeds, counters]
+    want = sample_rows(logits, np.array(t), np.array(p), np.array(k),
+                       np.array(seeds, np.uint64), np.array(counters))
+    assert sample_packed(logits, packed).tolist() == want.tolist()
+    assert len(set(want[np.array(t) > 0].tolist())) > 5   # sampled rows, not all greedy
+    with pytest.raises(ConfigError, match="logits must be a float32 array"):
+        sample_packed(logits.astype(np.float64), packed)
+
+
 # ------------------------------------------------------------------ bad input
 
 @pytest.mark.parametrize("kw, match", [
