@@ -58,11 +58,28 @@ def _engine(model, **kw):
                              "runner": "fast-eager"} | kw))
 
 
+def _drain(engine, limit=2_000):
+    """Step until the engine has no work: a loop that stops making progress fails here,
+    by name, instead of running until a timeout."""
+    for _ in range(limit):
+        if not engine.has_work():
+            return engine.finished
+        engine.step()
+    raise AssertionError(f"the engine still has work after {limit} steps")
+
+
+def _generate(engine, prompts, params=None):
+    """``engine.generate``, bounded by :func:`_drain`."""
+    reqs = [engine.submit(p, params) for p in prompts]
+    _drain(engine)
+    return reqs
+
+
 def _early_stop(model, prompt, params):
     """An end token the request would draw early: the first new token of its answer in
     an engine without end tokens, and where it comes."""
     free = _engine(model, stop_ids=())
-    best = free.generate([prompt], params)[0].outputs()[0].generated
+    best = _generate(free, [prompt], params)[0].outputs()[0].generated
     i, stop = _first_new(best)
     assert i < params.max_new_tokens // 2
     return i, stop, best
@@ -82,12 +99,12 @@ def test_min_tokens_holds_with_the_device_a_step_ahead(tiny, kind):
     i, stop, best = _early_stop(tiny, prompts[0], params)
     engine = _engine(tiny, stop_ids=(stop,), overlap=True)
     assert engine.depth == 1
-    (early,) = engine.generate(prompts[:1], params)
+    (early,) = _generate(engine, prompts[:1], params)
     assert _answers(early) == [best[:i + 1]]               # it would end early
     m = i + 1                  # the model draws the end token again right after the ban
     held = replace(params, min_tokens=m)
     reqs = [engine.submit(prompts[0], held), engine.submit(prompts[1], params)]
-    engine.run()
+    _drain(engine)
     got = _answers(reqs[0])[0]
     assert stop not in got[:m] and got[m] == stop and len(got) == m + 1
     assert _answers(reqs[0]) == _oracle(tiny, prompts[0], held, (stop,))
@@ -105,7 +122,7 @@ def test_min_tokens_equal_to_max_new_tokens_runs(tiny, kind, overlap):
     full = replace(params, min_tokens=params.max_new_tokens)
     assert full.min_tokens == full.max_new_tokens == 16
     engine = _engine(tiny, stop_ids=(stop,), overlap=overlap)
-    (req,) = engine.generate([prompt], full)
+    (req,) = _generate(engine, [prompt], full)
     (got,) = _answers(req)
     assert len(got) == 16 and stop not in got
     assert [got] == _oracle(tiny, prompt, full, (stop,))
@@ -125,7 +142,7 @@ def test_a_completion_that_fills_the_context_exactly(tiny, runner, context, over
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     engine = _engine(tiny, runner=runner, max_context=context, stop_ids=STOP,
                      overlap=overlap, num_blocks=context // 8 + 4)
-    (req,) = engine.generate([prompt], params)
+    (req,) = _generate(engine, [prompt], params)
     (got,) = _answers(req)
     assert len(prompt) + len(got) == context
     assert [got] == _oracle(tiny, prompt, params, STOP)
@@ -170,10 +187,13 @@ def test_admission_keeps_the_watermark_free(tiny):
     c = engine.submit(over, small)
     assert engine.memory.admission(c) == (
         "later", f"needs {free - 3 + 4} free blocks (watermark included), {free} are free")
-    while not a.done:
+    for _ in range(200):
+        if a.done:
+            break
         assert c in engine.scheduler.waiting, "admitted into the watermark"
         engine.step()
-    engine.run()
+    assert a.done
+    _drain(engine)
     assert _answers(c) == [_oracle(tiny, over, small, ())[0]]
 
     engine, _ = started(0.0)
@@ -290,7 +310,7 @@ def test_the_engine_serves_on_after_a_failed_step(tiny, overlap, at):
     the oracle's answer, and the pool is whole after it."""
     engine, real = _failed_step(tiny, overlap, at)
     engine.runner.launch = real
-    (req,) = engine.generate(SWAP_PROMPTS[:1], SWAP_PARAMS)
+    (req,) = _generate(engine, SWAP_PROMPTS[:1], SWAP_PARAMS)
     assert _answers(req) == [_oracle(tiny, SWAP_PROMPTS[0], SWAP_PARAMS, STOP)[0]]
     _assert_clean(engine, 12)
     assert not engine.has_work()
@@ -366,7 +386,7 @@ def test_a_cancel_that_fails_leaves_the_pool_clean(tiny, overlap):
     assert set(m.seq_ids) <= held, "blocks of a cancelled request are orphaned"
     if any(r is victim for r in _held(engine)):
         assert engine.cancel(victim) is True
-    engine.run()
+    _drain(engine)
     assert sorted(_answers(other)) == sorted(_oracle(tiny, prompts[1], params, STOP))
     assert m.allocator.num_free == 200 and len(m) == 0
 
@@ -392,6 +412,7 @@ def test_history_records_the_pool_after_every_step(tiny, monkeypatch):
     records = []
     while engine.has_work():
         engine.step()
+        assert len(plans) < 500, "the engine still has work after 500 steps"
         lengths = [m.num_tokens(i) for i in m.seq_ids]
         mapped = sum(-(-n // 8) for n in lengths)
         rows = plans[-1].rows

@@ -54,6 +54,23 @@ def _expected(model, prompts, params):
             for p in prompts]
 
 
+def _drain(engine, limit=2_000):
+    """Step until the engine has no work: a loop that stops making progress fails here,
+    by name, instead of running until a timeout."""
+    for _ in range(limit):
+        if not engine.has_work():
+            return engine.finished
+        engine.step()
+    raise AssertionError(f"the engine still has work after {limit} steps")
+
+
+def _generate(engine, prompts, params=None):
+    """``engine.generate``, bounded by :func:`_drain`."""
+    reqs = [engine.submit(p, params) for p in prompts]
+    _drain(engine)
+    return reqs
+
+
 def _run(model, prompts, params, config):
     caching, preemption, host_blocks, pool = CONFIGS[config]
     width = params.width
@@ -61,7 +78,7 @@ def _run(model, prompts, params, config):
     blocks = worst + 2 if pool == "tight" else 400
     engine = Engine(model, num_blocks=blocks, block_size=BS, stop_ids=STOP, audit=True,
                     prefix_caching=caching, preemption=preemption, host_blocks=host_blocks)
-    reqs = engine.generate(prompts, params)
+    reqs = _generate(engine, prompts, params)
     assert engine.memory.manager.allocator.num_free == blocks and len(engine.memory.manager) == 0
     if engine.memory.swapper is not None:
         assert engine.memory.swapper.host.num_used == 0 and not engine.memory.swapper.swapped
@@ -126,7 +143,7 @@ def test_one_copy_per_direction_per_step(tiny, monkeypatch):
     params = SamplingParams(max_new_tokens=16)
     engine = Engine(tiny, num_blocks=9, block_size=BS, stop_ids=STOP, audit=True,
                     preemption="swap", host_blocks=64)
-    engine.generate(_prompts(), params)
+    _generate(engine, _prompts(), params)
     assert any(n == "copy_to_host" for _, n in calls)
     assert any(n == "copy_to_device" for _, n in calls)
     assert len(calls) == len(set(calls)), "two copies in one direction in one step"
@@ -149,7 +166,7 @@ def test_admission_now_later_never(tiny):
                                                         "included), 2 are free")
     engine.step()
     assert engine.scheduler.running == [a, b]                    # 4 + 3 blocks: both fit now
-    engine.run()
+    _drain(engine)
     assert a.done and b.done and engine.memory.counts.preemptions > 0   # but not as they grow
     for req, p in ((a, prompt), (b, prompt[:20])):
         expect = reference_generate(tiny, p, req.params, STOP)[0].generated
@@ -220,7 +237,7 @@ def test_many_samples_come_back_with_the_prefix_cache(tiny, preemption, budget):
                     prefix_caching=True, preemption=preemption, token_budget=budget,
                     host_blocks=64 if preemption == "swap" else 0, max_seqs=32)
     reqs = [engine.submit(p, q) for p, q in zip(prompts, params)]
-    engine.run()
+    _drain(engine)
     assert engine.memory.counts.preemptions > 0 and engine.memory.manager.cache.evictions > 0
     if preemption == "recompute":
         assert engine.memory.counts.refound_tokens > 0       # some of them found their blocks
