@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pagedkv.errors import ConfigError
+from pagedkv.errors import AuditError, ConfigError
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
@@ -402,7 +402,7 @@ def test_history_records_the_pool_after_every_step(tiny, monkeypatch):
     monkeypatch.setattr(Engine, "history_steps", 4)
     seen, plans = [], []
     engine = _engine(tiny, num_blocks=14, stop_ids=(), on_step=seen.append,
-                     runner="plain")
+                     runner="plain", token_budget=12)
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
     assert engine.history.maxlen == 4
@@ -430,3 +430,174 @@ def test_history_records_the_pool_after_every_step(tiny, monkeypatch):
     for key in ("shared_blocks", "blocks_saved", "copies", "waiting", "preemptions",
                 "decoded"):
         assert max(r[key] for r in records) > 0, key     # each one moved in this run
+    assert plans[0].rows is None and records[0]["decoded"] == 0   # a prefill alone
+
+
+# ------------------------------------------------------------------ what the engine is built of
+
+def test_the_config_reaches_every_part(tiny):
+    """Each setting reaches the part that uses it: the bookkeeping's classes, prefix
+    caching on or off, the runner's prefill packing, the scheduler's budget, max_seqs and
+    chunking; the device runs ahead by default only on a GPU (never here)."""
+    from pagedkv.prefix_cache import PrefixCachingManager
+    e = Engine(tiny, num_blocks=16, bookkeeping="fast", prefix_caching=True,
+               prefill_chunk=24, token_budget=40, max_seqs=3, chunked_prefill=False)
+    m = e.memory.manager
+    assert type(m).__module__ == "pagedkv.fast.prefix" and m.caching
+    assert e.runner.prefill_chunk == 24
+    s = e.scheduler
+    assert (s.token_budget, s.max_seqs, s.chunked_prefill) == (40, 3, False)
+    e = Engine(tiny, num_blocks=16)
+    m = e.memory.manager
+    assert type(m) is PrefixCachingManager and not m.caching
+    assert e.runner.prefill_chunk == 512
+    assert (e.scheduler.token_budget, e.scheduler.max_seqs, e.scheduler.chunked_prefill) \
+        == (None, 64, True)
+    for runner in ("plain", "fast-eager", "fast"):
+        assert Engine(tiny, num_blocks=16, runner=runner).depth == 0      # no GPU here
+
+
+def test_requests_are_numbered_and_bad_prompts_refused_by_name(tiny):
+    engine = Engine(tiny, num_blocks=16)
+    ids = [engine.submit([1, 2, 3]).request_id for _ in range(3)]
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == 3 and ids == sorted(ids)
+    with pytest.raises(ConfigError, match="^the prompt is empty: give at least one token$"):
+        engine.submit([])
+    v = TINY.vocab_size
+    for bad in ([1, v], [v], [v + 5, 3]):
+        with pytest.raises(ConfigError, match=fr"^prompt token ids must lie in \[0, {v}\)$"):
+            engine.submit(bad)
+    with pytest.raises(ConfigError, match="token ids must be integers"):
+        engine.submit([-1, 2])
+    engine.submit([0, v - 1])                                 # both ends of the vocabulary
+    assert len(engine.scheduler.waiting) == 4
+
+
+# ------------------------------------------------------------------ beam search
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["depth 0", "depth 1"])
+def test_beam_search_ends_with_its_width_finished_and_keeps_its_family(tiny, overlap):
+    """A stop id this model emits (86, after prompt 0): both hypotheses of a width-2
+    search end on it before max_new_tokens, and the search ends then (not when a third
+    ends); answers and scores are the oracle's. Every sequence the search made but the
+    first names the one it was forked from (whose tokens it shares but its last), and
+    every one has ended."""
+    prompt, stop = _prompts()[0], 86
+    params = SamplingParams(max_new_tokens=12, beam_width=2)
+    engine = _engine(tiny, stop_ids=(stop,), overlap=overlap)
+    made, born = [], {}                       # the sequences made, their tokens then
+    new_seq = engine.memory.new_seq
+
+    def record(*a, **k):
+        made.append(new_seq(*a, **k))
+        born[made[-1].seq_id] = list(made[-1].tokens)
+        return made[-1]
+    engine.memory.new_seq = record
+    (req,) = _generate(engine, [prompt], params)
+    got = [(s.generated, s.score) for s in req.outputs()]
+    want = [(s.generated, s.score) for s in reference_generate(tiny, prompt, params, (stop,))]
+    assert [g for g, _ in got] == [w for w, _ in want]
+    assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-4)
+    assert all(g[-1] == stop and len(g) < 12 for g, _ in got)
+    by_id = {s.seq_id: s for s in made}
+    assert made[0].parent is None and len(made) > 3
+    for s in made[1:]:
+        tokens, parent = born[s.seq_id], by_id[s.parent]
+        assert parent.tokens[:len(tokens) - 1] == tokens[:-1], (s, parent)
+    assert all(s.ended for s in made if s not in req.finished)
+    assert engine.memory.manager.allocator.num_free == 200
+
+
+# ------------------------------------------------------------------ cancelling
+
+def test_cancel_answers_what_it_did(tiny):
+    """True when it cancelled; False, changing nothing, for a request that is done, even
+    one the caller has taken out of ``finished`` (as the server does); a request
+    preempted by recompute (its blocks gone, no swap space) is cancelled too."""
+    prompts = _prompts(SEED + 4, (30, 28, 26))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    engine = _engine(tiny, num_blocks=13, stop_ids=())
+    short = engine.submit([5, 6], SamplingParams(max_new_tokens=1))
+    reqs = [engine.submit(p, params) for p in prompts]
+    for _ in range(200):
+        engine.step()
+        back = [r for r in engine.scheduler.waiting if r.live and r.live[0].generated]
+        if back:
+            break
+    assert short.done and engine.finished == [short] and back
+    assert engine.cancel(short) is False
+    (preempted,) = back
+    assert engine.memory.swapper is None and preempted.live[0].seq_id not in \
+        engine.memory.manager
+    assert engine.cancel(preempted) is True and preempted not in engine.scheduler.waiting
+    running = engine.scheduler.running[0]
+    assert engine.cancel(running) is True and engine.cancel(running) is False
+    engine.finished.clear()                          # the server forgets what it sent
+    assert engine.cancel(short) is False
+    _drain(engine)
+    assert engine.memory.manager.allocator.num_free == 13
+    (last,) = [r for r in reqs if r is not preempted and r is not running]
+    assert engine.finished == [last] and len(last.outputs()[0].generated) == 40
+
+
+def test_a_swapped_request_missing_a_sequence_is_not_cancelled(tiny):
+    """A request swapped out one of whose sequences the host pool no longer holds
+    (injected) is refused with an audit error that names it, and nothing changes."""
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, n=2, seed=4)
+    engine = _engine(tiny, num_blocks=12, stop_ids=(), preemption="swap", host_blocks=64)
+    reqs = [engine.submit(p, params) for p in _prompts(SEED + 5, (20, 18))]
+    for _ in range(200):
+        engine.step()
+        if engine.scheduler.swapped:
+            break
+    (gone,) = engine.scheduler.swapped
+    swapper = engine.memory.swapper
+    lost = swapper.swapped.pop(gone.live[1].seq_id)
+    with pytest.raises(AuditError, match=f"^request {gone.request_id} is swapped out without "
+                                         f"all its sequences$"):
+        engine.cancel(gone)
+    assert list(engine.scheduler.swapped) == [gone] and gone.live[0].seq_id in swapper.swapped
+    swapper.swapped[gone.live[1].seq_id] = lost
+    assert engine.cancel(gone) is True and swapper.host.num_used < 64
+    assert reqs
+
+
+# ------------------------------------------------------------------ blocks named as tokens land
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["depth 0", "depth 1"])
+def test_an_answers_full_blocks_are_all_found_again(tiny, overlap):
+    """With the prefix cache, every full block of K/V an answer computed is named by its
+    tokens as they land (its last token's K/V are never computed): the prompt + answer
+    submitted again finds exactly those blocks, ``(length - 1) // 16`` of them, the
+    blocks the last tokens filled included."""
+    prompts = _prompts(SEED + 6, (9, 25, 4))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    engine = _engine(tiny, block_size=16, stop_ids=(), prefix_caching=True, overlap=overlap)
+    reqs = _generate(engine, prompts, params)
+    again = [p + r.outputs()[0].generated for p, r in zip(prompts, reqs)]
+    m = engine.memory.manager
+    assert [m.cached_prefix(m.prompt(a)) for a in again] == \
+        [(len(a) - 1) // 16 * 16 for a in again]
+
+
+@pytest.mark.parametrize("overlap, found", [(False, 8), (True, 16)], ids=["depth 0", "depth 1"])
+def test_an_end_token_computed_ahead_names_its_block(tiny, overlap, found):
+    """With depth 1 the row of a sequence that ended on an end token is computed before
+    the end is known (and thrown away): that row wrote the end token's K/V, so the block
+    it filled is named when the token lands, before the sequence's blocks are freed.
+    A 14-token prompt whose answer ends on its 2nd token fills two blocks of 8: its
+    prompt + answer + one token finds both ahead, one at depth 0 (where the end
+    token's K/V is never computed)."""
+    free = _engine(tiny, stop_ids=())
+    for seed in range(SEED, SEED + 50):
+        prompt = _prompts(seed, (14,))[0]
+        best = _generate(free, [prompt], SamplingParams(max_new_tokens=8))[0]
+        i, stop = _first_new(best.outputs()[0].generated)
+        if i == 1:
+            break
+    engine = _engine(tiny, stop_ids=(stop,), prefix_caching=True, overlap=overlap)
+    (req,) = _generate(engine, [prompt], SamplingParams(max_new_tokens=8))
+    answer = req.outputs()[0].generated
+    assert answer[-1] == stop and len(prompt + answer) == 16
+    m = engine.memory.manager
+    assert m.cached_prefix(m.prompt(prompt + answer + [5])) == found
