@@ -53,6 +53,7 @@ def _run(model, prompts, params, *, arrivals=None, cancel=None, **options):
                 engine.cancel(reqs[i])
         engine.step()
         steps += 1
+        assert steps < 2_000, "the engine still has work after 2,000 steps"
     m = engine.memory.manager
     assert m.allocator.num_free == kw["num_blocks"] or kw.get("prefix_caching")
     assert len(m) == 0 and not m.pending()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pagedkv.model.runner as runner_module
-from pagedkv.errors import ConfigError
+from pagedkv.errors import AuditError, ConfigError
 from pagedkv.model import Llama
 from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
@@ -54,6 +54,23 @@ def _expected(model, prompts, params):
             for p in prompts]
 
 
+def _drain(engine, limit=2_000):
+    """Step until the engine has no work: a loop that stops making progress fails here,
+    by name, instead of running until a timeout."""
+    for _ in range(limit):
+        if not engine.has_work():
+            return engine.finished
+        engine.step()
+    raise AssertionError(f"the engine still has work after {limit} steps")
+
+
+def _generate(engine, prompts, params=None):
+    """``engine.generate``, bounded by :func:`_drain`."""
+    reqs = [engine.submit(p, params) for p in prompts]
+    _drain(engine)
+    return reqs
+
+
 def _run(model, prompts, params, config):
     caching, preemption, host_blocks, pool = CONFIGS[config]
     width = params.width
@@ -61,7 +78,7 @@ def _run(model, prompts, params, config):
     blocks = worst + 2 if pool == "tight" else 400
     engine = Engine(model, num_blocks=blocks, block_size=BS, stop_ids=STOP, audit=True,
                     prefix_caching=caching, preemption=preemption, host_blocks=host_blocks)
-    reqs = engine.generate(prompts, params)
+    reqs = _generate(engine, prompts, params)
     assert engine.memory.manager.allocator.num_free == blocks and len(engine.memory.manager) == 0
     if engine.memory.swapper is not None:
         assert engine.memory.swapper.host.num_used == 0 and not engine.memory.swapper.swapped
@@ -126,7 +143,7 @@ def test_one_copy_per_direction_per_step(tiny, monkeypatch):
     params = SamplingParams(max_new_tokens=16)
     engine = Engine(tiny, num_blocks=9, block_size=BS, stop_ids=STOP, audit=True,
                     preemption="swap", host_blocks=64)
-    engine.generate(_prompts(), params)
+    _generate(engine, _prompts(), params)
     assert any(n == "copy_to_host" for _, n in calls)
     assert any(n == "copy_to_device" for _, n in calls)
     assert len(calls) == len(set(calls)), "two copies in one direction in one step"
@@ -149,7 +166,7 @@ def test_admission_now_later_never(tiny):
                                                         "included), 2 are free")
     engine.step()
     assert engine.scheduler.running == [a, b]                    # 4 + 3 blocks: both fit now
-    engine.run()
+    _drain(engine)
     assert a.done and b.done and engine.memory.counts.preemptions > 0   # but not as they grow
     for req, p in ((a, prompt), (b, prompt[:20])):
         expect = reference_generate(tiny, p, req.params, STOP)[0].generated
@@ -220,7 +237,7 @@ def test_many_samples_come_back_with_the_prefix_cache(tiny, preemption, budget):
                     prefix_caching=True, preemption=preemption, token_budget=budget,
                     host_blocks=64 if preemption == "swap" else 0, max_seqs=32)
     reqs = [engine.submit(p, q) for p, q in zip(prompts, params)]
-    engine.run()
+    _drain(engine)
     assert engine.memory.counts.preemptions > 0 and engine.memory.manager.cache.evictions > 0
     if preemption == "recompute":
         assert engine.memory.counts.refound_tokens > 0       # some of them found their blocks
@@ -229,3 +246,169 @@ def test_many_samples_come_back_with_the_prefix_cache(tiny, preemption, budget):
         assert sorted(s.generated for s in req.outputs()) == sorted(expect)
     assert engine.memory.manager.allocator.num_free == engine.memory.manager.allocator.num_blocks
     assert len(engine.memory.manager) == 0
+
+
+# ---------------------------------------------------------------------- the memory's answers
+
+def _memory(model, num_blocks=20, **kw):
+    """An EngineMemory of its own on a fresh engine's pool of blocks of 8."""
+    from pagedkv.model.memory import EngineMemory
+    manager = Engine(model, num_blocks=num_blocks, block_size=BS).memory.manager
+    return EngineMemory(manager, **({"max_seqs": 4} | kw))
+
+
+def _request(engine_like, prompt, params):
+    from pagedkv.model.requests import Request
+    req = Request(next(engine_like.ids), list(prompt), params, 1)
+    req.hashed = engine_like.manager.prompt(list(prompt))
+    return req
+
+
+def test_the_memorys_settings_are_checked_and_defaulted(tiny):
+    from pagedkv.model.memory import EngineMemory
+    mem = _memory(tiny, num_blocks=200)
+    assert mem.watermark_blocks == 2 and mem.swapper is None and mem.running == []
+    assert mem.admission(_request(mem, [1, 2, 3], SamplingParams())) == ("now", "")
+    m = mem.manager
+    for bad in (1.0, True, -0.1, 1.5):
+        with pytest.raises(ConfigError, match=fr"^watermark must be a share of the pool in "
+                                              fr"\[0, 1\), got {bad!r}$"):
+            EngineMemory(m, max_seqs=4, watermark=bad)
+    assert EngineMemory(m, max_seqs=4, watermark=0.999).watermark_blocks == 199
+    with pytest.raises(ConfigError, match="^max_seqs must be a positive integer, got 0$"):
+        EngineMemory(m, max_seqs=0)
+    with pytest.raises(ConfigError, match=r"^host_blocks \(the swap space\) must be a "
+                                          r"positive integer, got 0$"):
+        EngineMemory(m, max_seqs=4, preemption="swap")
+    with pytest.raises(ConfigError, match="^preemption must be 'recompute' or 'swap', "
+                                          "got 'drop'$"):
+        EngineMemory(m, max_seqs=4, preemption="drop")
+
+
+def test_admission_counts_a_requests_blocks_at_its_edges(tiny):
+    """Blocks to start: the prompt's, then one per sequence at the first step, less one
+    when the prompt's last block is partly filled (the first sequence writes into it).
+    The worst case may fill the pool less the watermark exactly; a request as wide as
+    max_seqs may run; a full house says "later" with the reason."""
+    mem = _memory(tiny, num_blocks=20, watermark=0.2)          # 4 blocks kept free
+    cases = [([1] * 16, 1, 3), ([1] * 15, 1, 2), ([1] * 16, 3, 5), ([1] * 15, 3, 4)]
+    for prompt, n, need in cases:
+        params = SamplingParams(max_new_tokens=4, n=n, temperature=1.0 if n > 1 else 0.0)
+        req = _request(mem, prompt, params)
+        free = 20 - 4 - need                                   # promise the rest away
+        assert mem.admission(req, promised=free) == ("now", "")
+        assert mem.admission(req, promised=free + 1) == (
+            "later", f"needs {need + 4} free blocks (watermark included), "
+                     f"{need + 3} are free"), (prompt, n)
+    edge = _request(mem, [1] * 8, SamplingParams(max_new_tokens=8 * 16 - 8))   # 16 blocks
+    assert mem.admission(edge)[0] == "now"
+    over = _request(mem, [1] * 8, SamplingParams(max_new_tokens=8 * 16 - 7))
+    assert mem.admission(over)[0] == "never"
+    wide = _request(mem, [1] * 3, SamplingParams(max_new_tokens=4, n=4, temperature=1.0))
+    assert mem.admission(wide) == ("now", "")
+    mem.running = [_request(mem, [1], SamplingParams(max_new_tokens=2, n=2,
+                                                     temperature=1.0))]
+    assert mem.admission(wide) == ("later", "4 sequences are running")
+    narrow = _request(mem, [1] * 3, SamplingParams(max_new_tokens=4, n=2, temperature=1.0))
+    assert mem.admission(narrow) == ("now", "")
+    assert mem.admit(narrow, 3, promised=20) is None and not narrow.live
+
+
+def test_width_prefill_and_owed_follow_a_requests_sequences(tiny):
+    """What the scheduler asks of a request: its width (all it forks into before its
+    first tokens; then its sequences below their length, counting tokens on their way),
+    the tokens it must still compute (the cache's hits excluded) and the blocks it owes."""
+    engine = Engine(tiny, num_blocks=40, block_size=BS, stop_ids=(), token_budget=10,
+                    prefix_caching=True)
+    mem = engine.memory
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, n=2, seed=1)
+    prompt = list(range(1, 30))
+    req = engine.submit(prompt, params)
+    assert mem.width(req) == 2 and mem.to_prefill(req) == 29 and mem.owed(req) == 0
+    engine.step()                                   # a chunk of 10: 2 blocks of the 4
+    assert not req.prefilled and mem.to_prefill(req) == 19 and mem.owed(req) == 4 - 2
+    for _ in range(3):
+        engine.step()
+    assert req.prefilled and mem.to_prefill(req) == 0 and mem.owed(req) == 0
+    a, b = req.live
+    assert [s.parent for s in req.live[1:]] == [a.seq_id]
+    assert mem.width(req) == 2
+    b.planned = params.max_new_tokens                # at its length (a token on its way)
+    assert mem.width(req) == 1
+    a.planned = params.max_new_tokens - 1
+    assert mem.width(req) == 1
+    a.planned = params.max_new_tokens
+    assert mem.width(req) == 0
+    b.planned = params.max_new_tokens - 1
+    assert mem.width(req) == 1
+    b.planned = params.max_new_tokens
+    req.live.pop()
+    assert mem.width(req) == 0
+    a.planned = params.max_new_tokens - 1
+    assert mem.width(req) == 1
+    engine = Engine(tiny, num_blocks=40, block_size=BS, stop_ids=(), prefix_caching=True)
+    _generate(engine, [prompt], SamplingParams(max_new_tokens=2))
+    again = engine.submit(prompt + [5], SamplingParams(max_new_tokens=2))
+    assert engine.memory.to_prefill(again) == 30 - 24   # three blocks of 8 found cached
+
+
+def test_preemption_is_counted_and_swaps_by_default(tiny):
+    """Each preemption counts once; by default (nothing placed this step) a request
+    whose K/V are computed is swapped out; every sequence the engine made has ended by
+    the end (a fresh request preempted in the step that placed it leaves its sequences
+    ended)."""
+    engine = Engine(tiny, num_blocks=12, block_size=BS, stop_ids=(), audit=True,
+                    preemption="swap", host_blocks=64)
+    made, plans = [], []
+    new_seq, schedule = engine.memory.new_seq, engine.scheduler.schedule
+    engine.memory.new_seq = lambda *a, **k: made.append(new_seq(*a, **k)) or made[-1]
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=16)) for p in _prompts()]
+    _drain(engine)
+    assert engine.memory.counts.preemptions == sum(len(p.preempted) for p in plans) > 1
+    assert all(s.ended for s in made) and all(r.done for r in reqs)
+    engine = Engine(tiny, num_blocks=40, block_size=BS, stop_ids=(), preemption="swap",
+                    host_blocks=64)
+    req = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=9))
+    engine.step()
+    engine.scheduler.running.remove(req)
+    assert engine.memory.preempt(req)[0] is True and engine.memory.counts.preemptions == 1
+
+
+def test_swap_in_keeps_the_watermark_and_the_promised_blocks(tiny):
+    """A swapped request comes back only if its blocks and the watermark are free beyond
+    the blocks promised; one whose token is still on its way is an audit error."""
+    engine = Engine(tiny, num_blocks=20, block_size=BS, stop_ids=(), preemption="swap",
+                    host_blocks=64, watermark=0.1)                # 2 blocks kept
+    mem = engine.memory
+    req = engine.submit(list(range(1, 20)), SamplingParams(max_new_tokens=9))
+    engine.step()
+    engine.scheduler.running.remove(req)
+    swapped, _ = mem.preempt(req)
+    assert swapped and mem.swapper.blocks_to_swap_in([req.live[0].seq_id]) == 3
+    free = mem.manager.allocator.num_free
+    assert mem.swap_in(req, promised=free - 4) is None               # 4 free: 3 + 2 needed
+    req.live[0].planned += 1
+    with pytest.raises(AuditError, match=f"^request {req.request_id} is swapped in before "
+                                         f"its tokens landed$"):
+        mem.swap_in(req, promised=free - 5)
+    req.live[0].planned -= 1
+    assert len(mem.swap_in(req, promised=free - 5)) == 3             # 5 free: it fits
+
+
+def test_admission_answers_for_a_request_back_from_a_recompute(tiny):
+    """Asked right after the step that preempted it (its sequences hashed again for the
+    question), admission answers for every sequence the request brings back."""
+    engine = Engine(tiny, num_blocks=12, block_size=BS, stop_ids=())
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=16)) for p in _prompts()]
+    for _ in range(100):
+        engine.step()
+        back = [r for r in engine.scheduler.waiting if r.live and r.live[0].generated]
+        if back:
+            break
+    need = sum(-(-len(s.tokens) // BS) for s in back[0].live)
+    free = engine.memory.manager.allocator.num_free
+    answer = engine.memory.admission(back[0])
+    assert answer[0] in ("now", "later") and (answer[0] == "now") == (need <= free)
+    _drain(engine)
+    assert all(r.done for r in reqs)

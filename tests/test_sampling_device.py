@@ -228,6 +228,57 @@ def test_masked_tokens_are_never_drawn(xp):
     assert len(np.unique(got)) == 28
 
 
+# ------------------------------------------------------------------ top-k and top-p together
+
+# probabilities [.4, .3, .2, .1]: top-k first, then top-p of what top-k kept (its mass, not
+# the row's): (top_k, top_p, the tokens kept), each worked by hand
+TOGETHER = [
+    (2, 0.5, [0]),            # top-k keeps .7; .4 >= .5 * .7: the first alone
+    (2, 0.6, [0, 1]),         # .4 < .42: both
+    (3, 0.75, [0, 1]),        # .7 >= .75 * .9 = .675 (of the row's mass, .7 < .75: three)
+    (3, 0.8, [0, 1, 2]),      # .7 < .72
+    (1, 0.1, [0]),
+    (4, 0.5, [0, 1]),         # top-k keeps all: top-p alone (.4 < .5 <= .7)
+    (0, 0.35, [0]),           # top-k off
+    (2, 1.0, [0, 1]),         # top-p off
+]
+
+
+@pytest.mark.parametrize("top_k, top_p, want", TOGETHER)
+def test_top_k_and_top_p_together_keep_exactly_the_rules_tokens(xp, top_k, top_p, want):
+    """The rule's set, worked by hand, for probabilities [.4, .3, .2, .1]: the kept set,
+    and 2,000 draws that fall only in it (all of them on the first token where it is
+    alone)."""
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1])).astype(np.float32)
+    kept = host(kept_tokens(xp.asarray(logits[None, :]), 1.0, top_p, top_k))[0]
+    assert np.flatnonzero(kept).tolist() == want
+    drawn = draw(xp, logits, 2000, 1.0, top_p, top_k, 60 + top_k)
+    assert set(np.unique(drawn).tolist()) == set(want)
+
+
+COMBINED = [  # (temperature, top_p, top_k): each cut by both, top-p inside top-k's set
+    (0.6, 0.6, 6), (1.0, 0.8, 8), (1.7, 0.5, 3), (1.0, 0.75, 12)]
+
+
+@pytest.mark.parametrize("t, top_p, top_k", COMBINED)
+def test_combined_settings_follow_the_exact_distribution(xp, t, top_p, top_k):
+    """Histograms of 20,000 draws against the oracle's distribution for settings where
+    top-k and top-p both cut (checked here: the set differs from either alone), on a row
+    with ties at the k-th token."""
+    seed = 81 + COMBINED.index((t, top_p, top_k))
+    rng = rng_for(seed)
+    logits = np.concatenate([np.log([0.4, 0.3, 0.2, 0.1]),
+                             rng.normal(size=20) - 3]).astype(np.float32)
+    logits[[4, 5]] = logits[2]                      # ties with the third most likely
+    q = oracle_probs(logits, t, top_p, top_k)
+    alone = [oracle_probs(logits, t, 1.0, top_k), oracle_probs(logits, t, top_p, 0)]
+    assert all(np.count_nonzero(q) != np.count_nonzero(a) for a in alone)
+    tokens = draw(xp, logits, 20_000, t, top_p, top_k, seed)
+    ok, stat, pvalue = fits(tokens, q)
+    print(f"kept {np.count_nonzero(q)} tokens, chi-square {stat:.1f}, p-value {pvalue:.3g}")
+    assert ok
+
+
 # ------------------------------------------------------------------ distributions
 
 CONFIGS = [  # (temperature, top_p, top_k)
@@ -351,6 +402,94 @@ def test_a_rows_token_depends_on_its_own_row_alone(xp):
         assert alone[0] == base[i]
 
 
+# ------------------------------------------------------------------ the rule's edges (NumPy)
+
+def test_probabilities_are_the_rules_bits():
+    """``p = exp(z - max z)``, ``z = logits / T`` in float32 (T rounded to float32), the exp
+    in float64 rounded to float32, bit for bit; T = 0 counts as T = 1; a p below float32's
+    smallest normal number is 0."""
+    from pagedkv.kernels.sampling import probabilities
+    rng = rng_for(95)
+    logits = (rng.normal(size=(6, 30)) * 4).astype(np.float32)
+    t = np.array([0.7, 1.0, 1.3, 0.1, 2.9, 0.0])
+    z = logits / np.where(t > 0, t, 1).astype(np.float32)[:, None]
+    want = np.exp((z - z.max(axis=1, keepdims=True)).astype(np.float64)).astype(np.float32)
+    got = probabilities(logits, t)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    assert np.array_equal(got[5], probabilities(logits[5:], np.ones(1))[0])   # T = 0: T = 1
+    tiny = np.finfo(np.float32).tiny
+    edge = np.array([[0.0, -88.0, -87.0, -40.0]], np.float32)   # exp(-88) < tiny < exp(-87)
+    assert probabilities(edge, np.ones(1))[0].tolist() == [1.0, 0.0, np.float32(np.exp(-87.0)),
+                                                           np.float32(np.exp(-40.0))]
+    assert np.exp(-88.0) < tiny < np.exp(-87.0)
+
+
+def test_a_uniform_of_zero_draws_the_first_kept_token():
+    """u = 0 exactly (seed 7, counter 2043136: the hash's top 24 bits are all 0) draws
+    the first kept token in token order: the tokens before it, not kept, are never
+    drawn (their running mass is 0, not above 0)."""
+    assert uniforms(np.array([7]), np.array([2043136]))[0] == 0
+    logits = np.log(np.array([[0.01, 0.02, 0.5, 0.3, 0.17]])).astype(np.float32)
+    assert host(kept_tokens(logits, 1.0, 0.9, 0))[0].tolist() == [False, False, True, True,
+                                                                  True]
+    assert sample_rows(logits, 1.0, 0.9, 0, 7, 2043136).tolist() == [2]
+    assert sample_rows(logits, 1.0, 1.0, 0, 7, 2043136).tolist() == [0]
+
+
+def test_top_p_of_one_keeps_every_token_however_unlikely():
+    """top_p = 1 keeps every token whose p is above 0, even one whose p adds nothing to
+    the float64 mass (e**-40 beside 1)."""
+    logits = np.array([[0.0, -40.0, -3.0]], np.float32)
+    assert kept_tokens(logits, 1.0, 1.0, 0)[0].tolist() == [True, True, True]
+    assert kept_tokens(logits, 1.0, 1.0, 2)[0].tolist() == [True, False, True]
+
+
+def test_a_prefix_whose_mass_is_exactly_top_p_is_enough():
+    """p = [1, .5, .5] exactly (mass 2): top_p 0.5 keeps the first token alone (its mass,
+    1, is top_p's share exactly); a hair more keeps the tied pair too."""
+    from pagedkv.kernels.sampling import probabilities
+    logits = np.log(np.array([[1.0, 0.5, 0.5]])).astype(np.float32)
+    assert probabilities(logits, np.ones(1))[0].tolist() == [1.0, 0.5, 0.5]
+    assert kept_tokens(logits, 1.0, 0.5, 0)[0].tolist() == [True, False, False]
+    assert kept_tokens(logits, 1.0, 0.5001, 0)[0].tolist() == [True, True, True]
+
+
+def test_derived_seeds_are_splitmix64_of_the_seed_moved_by_the_golden_step():
+    """``derive_seed(seed, i) = splitmix64(seed + (i + 1) * GOLDEN)`` (mod 2**64), in Python
+    integers here: what the contiguous oracle's sampler derives independently."""
+    golden = 0x9E3779B97F4A7C15
+    for seed, i in [(0, 0), (5, 1), (2**64 - 1, 3), (123456789, 7)]:
+        assert derive_seed(seed, i) == splitmix64_py((seed + (i + 1) * golden) & MASK)
+
+
+# ------------------------------------------------------------------ packed parameters
+
+def test_packed_parameters_draw_what_the_arrays_draw():
+    """``pack_rows`` lays five lists of host numbers out as one uint64 [5, rows] array
+    (temperature and top-p as float64 bits, then top-k, seed and counter), and
+    ``sample_packed`` draws from it what ``sample_rows`` draws from the arrays."""
+    from pagedkv.kernels.sampling import pack_rows, sample_packed
+    rng = rng_for(91)
+    rows = 40
+    logits = rng.normal(size=(rows, 50)).astype(np.float32) * 2
+    t = rng.choice([0.0, 0.5, 1.0, 1.7], rows).tolist()
+    p = rng.choice([1.0, 0.9, 0.5], rows).tolist()
+    k = rng.choice([0, 1, 5, 20], rows).tolist()
+    seeds = rng.integers(0, 2**63, rows).tolist()
+    seeds[0] = 2**64 - 1                                  # the largest seed survives
+    counters = rng.integers(0, 10**6, rows).tolist()
+    packed = pack_rows(t, p, k, seeds, counters)
+    assert packed.dtype == np.uint64 and packed.shape == (5, rows)
+    assert packed[0].view(np.float64).tolist() == t and packed[1].view(np.float64).tolist() == p
+    assert packed[2:].tolist() == [k, seeds, counters]
+    want = sample_rows(logits, np.array(t), np.array(p), np.array(k),
+                       np.array(seeds, np.uint64), np.array(counters))
+    assert sample_packed(logits, packed).tolist() == want.tolist()
+    assert len(set(want[np.array(t) > 0].tolist())) > 5   # sampled rows, not all greedy
+    with pytest.raises(ConfigError, match="logits must be a float32 array"):
+        sample_packed(logits.astype(np.float64), packed)
+
+
 # ------------------------------------------------------------------ bad input
 
 @pytest.mark.parametrize("kw, match", [
@@ -373,6 +512,32 @@ def test_bad_input_is_refused(kw, match):
     args.update(kw)
     with pytest.raises(ConfigError, match=match):
         sample_rows(**args)
+
+
+def test_bad_logits_are_named_in_full():
+    with pytest.raises(ConfigError, match=r"^logits must be a float32 array \[rows, vocab\], "
+                                          r"got float16 \(2, 5\)$"):
+        sample_rows(np.zeros((2, 5), np.float16), 1.0, 1.0, 0, 1, 0)
+    with pytest.raises(ConfigError, match=r"^logits must be a float32 array \[rows, vocab\], "
+                                          r"got list \(\)$"):
+        sample_rows([[0.0, 1.0]], 1.0, 1.0, 0, 1, 0)
+    with pytest.raises(ConfigError, match=r"^logits must have rows and a vocabulary, got "
+                                          r"\(2, 0\)$"):
+        sample_rows(np.zeros((2, 0), np.float32), 1.0, 1.0, 0, 1, 0)
+
+
+def test_parameters_given_as_arrays_are_checked_too():
+    """Host arrays are checked as lists and scalars are: values, and one per row."""
+    logits = np.zeros((2, 5), np.float32)
+    with pytest.raises(ConfigError, match="temperature must be numbers >= 0"):
+        sample_rows(logits, np.array([-1.0, 1.0]), 1.0, 0, 1, 0)
+    with pytest.raises(ConfigError, match=r"temperature must be a scalar or 2 values \(one "
+                                          r"per row\), got shape \(2, 1\)"):
+        sample_rows(logits, np.ones((2, 1)), 1.0, 0, 1, 0)
+
+
+def test_a_vocabulary_of_one_token_is_accepted():
+    assert sample_rows(np.zeros((3, 1), np.float32), 1.0, 1.0, 0, 1, 0).tolist() == [0] * 3
 
 
 def test_largest_seed_is_accepted():

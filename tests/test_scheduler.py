@@ -15,7 +15,7 @@ import pytest
 from pagedkv import sim
 from pagedkv.checks import cdiv
 from pagedkv.errors import AuditError, ConfigError
-from pagedkv.scheduler import Chunk, Memory, Scheduler, newest
+from pagedkv.scheduler import Chunk, Memory, Plan, Scheduler, newest
 
 
 class Req:
@@ -146,15 +146,128 @@ def test_a_request_alone_that_cannot_grow_is_an_audit_error():
     mem = Counted(1)
     s = Scheduler(mem, token_budget=None)
     s.waiting.append(Req(0, 4, 3))
-    with pytest.raises(AuditError):
+    with pytest.raises(AuditError, match="^a request alone cannot take its next step$"):
         s.schedule()
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="token_budget must be a positive integer, got 0"):
         Scheduler(Counted(1), token_budget=0)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="max_seqs must be a positive integer, got 0"):
         Scheduler(Counted(1), max_seqs=0)
+    s = Scheduler(Counted(1))
+    assert s.max_seqs == 256 and s.token_budget is None and s.refused is None
+
+
+def test_the_memory_interface_defaults():
+    """What a memory that overrides nothing answers: one sequence a request, nothing owed,
+    the plan sealed as it is; the questions it must answer raise; it does not swap."""
+    m, plan = Memory(), Plan(0)
+    assert m.width(Req(0, 1, 1)) == 1 and m.sequences([1, 2, 3]) == 3
+    assert m.owed(Req(0, 1, 1)) == 0 and m.seal(plan) is plan
+    for ask in (lambda: m.to_prefill(1), lambda: m.admit(1, 1, 0), lambda: m.prefill(1, 1),
+                lambda: m.grow([1]), lambda: m.preempt(1, False)):
+        with pytest.raises(NotImplementedError):
+            ask()
+    with pytest.raises(ConfigError, match="^this memory does not swap$"):
+        m.swap_in(Req(0, 1, 1), 0)
+
+
+def test_plans_are_numbered_and_phases_run_alone_after_a_step():
+    """Plans count 0, 1, 2, ...; after a step its plan is closed: a phase called on its
+    own (as the simulation and these tests do) works and adds to no plan; a plan
+    where nobody decodes has no rows."""
+    mem = Counted(100)
+    s = Scheduler(mem, token_budget=4)
+    s.waiting.append(Req(0, 9, 3))
+    plan = s.schedule()                        # 3 of its 9 tokens: nobody decodes
+    assert plan.number == 0 and plan.decodes == () and plan.rows is None
+    assert [s.schedule().number for _ in range(2)] == [1, 2]
+    s.waiting.append(Req(1, 2, 3))
+    assert s.prefill() == [] or True           # phase 1 alone, outside a step
+    assert s.schedule().number == 3
+
+
+def test_a_chunk_that_cannot_finish_leaves_its_last_token():
+    """A prompt of 8 under a budget of exactly 8: it cannot finish (its decode token does
+    not fit), so it takes 7 and finishes with its decode in the next step."""
+    s = Scheduler(Counted(100), token_budget=8)
+    a = Req(0, 8, 3)
+    s.waiting.append(a)
+    assert s.schedule().chunks == (Chunk(a, 7, False),)
+    assert s.schedule().chunks == (Chunk(a, 1, True),)
+
+
+def test_one_token_of_budget_still_feeds_a_prefill():
+    """A budget of 1: a prefill under way takes that one token."""
+    mem = Counted(100)
+    s = Scheduler(mem, token_budget=1)
+    a = Req(0, 9, 3)
+    s.waiting.append(a)
+    assert s.schedule().chunks == (Chunk(a, 1, False),)
+    assert s.schedule().chunks == (Chunk(a, 1, False),) and a.placed == 2
+
+
+def test_a_dropped_request_leaves_every_queue():
+    s = Scheduler(Counted(100), token_budget=4)
+    a, b = Req(0, 9, 3), Req(1, 3, 3)
+    s.waiting.extend([a, b])
+    s.schedule()
+    assert a in s.prefilling and s.running == [a]
+    s.drop(a)
+    assert a not in s.prefilling and s.running == [] and list(s.waiting) == [b]
+    s.drop(b)
+    assert not s
+
+
+def test_a_preempted_prefill_is_skipped_and_the_next_one_still_runs():
+    """Three prefills under way; the first cannot place its chunk, and the victim policy
+    (here: the second request admitted) preempts the second: the third still gets its
+    chunk in the same step."""
+    mem = Counted(8)
+    s = Scheduler(mem, token_budget=None, victim=lambda running: running[1])
+    p1, p2, p3 = Req(0, 16, 3), Req(1, 20, 3), Req(2, 8, 3)
+    for r, placed in ((p1, 4), (p2, 16), (p3, 4)):
+        assert mem._take(r, placed) is not None
+        s.running.append(r)
+        s.prefilling[r] = None
+    assert mem.free == 2                      # p1 needs 3 more blocks
+    plan = s.schedule()
+    assert plan.chunks == (Chunk(p1, 12, True), Chunk(p3, 4, True))
+    assert plan.preempted == (p2,) and list(s.waiting) == [p2]
+
+
+class Wide(Counted):
+    """:class:`Counted` where a request runs ``r.width`` sequences (1 if not set)."""
+
+    def width(self, r):
+        return getattr(r, "width", 1)
+
+
+def test_admission_counts_blocks_promised_before_it_and_by_it():
+    """Blocks promised to unfinished prefills are not free to admit into, whether the
+    prefill began in an earlier step or in this one."""
+    # a prefill admitted this step owes a block: the next request waits for it
+    mem = Counted(4)
+    s = Scheduler(mem, token_budget=13)
+    a, b = Req(0, 13, 3), Req(1, 4, 3)
+    s.waiting.extend([a, b])
+    plan = s.schedule()
+    assert plan.chunks == (Chunk(a, 12, False),) and mem.owed(a) == 1 and mem.free == 1
+    assert s.refused is b and list(s.waiting) == [b]
+    # one under way (three sequences wide: its chunk leaves 3 tokens) owes a block too
+    mem = Wide(7)
+    s = Scheduler(mem, token_budget=15)
+    p = Req(0, 21, 3)
+    p.width = 3
+    assert mem._take(p, 8) is not None
+    s.running.append(p)
+    s.prefilling[p] = None
+    a, b = Req(1, 3, 3), Req(2, 4, 3)
+    s.waiting.extend([a, b])
+    plan = s.schedule()
+    assert plan.chunks == (Chunk(p, 12, False), Chunk(a, 2, False))
+    assert mem.owed(p) == 1 and mem.free == 1 and s.refused is b
 
 
 @pytest.mark.parametrize("chunked", [True, False])
