@@ -281,33 +281,23 @@ def test_a_failed_step_with_swaps_in_flight_leaves_the_pool_clean(tiny, overlap,
     _assert_clean(engine, 12)
 
 
-FLIGHT_GAP = ("gap (issue 44): with depth 1 a step whose launch fails leaves the step "
-              "before it in Engine.flight, so has_work() stays True after every request "
-              "is cancelled; the server's engine core then reports 'requests are left in "
-              "the engine's queues' and dies on any failed step when the device runs ahead")
-NUMBERING_BUG = ("bug (issue 44): after a step whose launch fails, EngineMemory's draw "
-                 "numbering (_drawn, _ndrawn, set by seal) is the failed plan's while the "
-                 "runner's (_last_draws) is the last launched plan's; a decode row that "
-                 "takes its input token on the device then reads another draw, and a "
-                 "request submitted after the failure gets wrong tokens")
-
-
-@pytest.mark.parametrize("overlap", [
-    False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=FLIGHT_GAP))],
-    ids=["depth 0", "depth 1"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["depth 0", "depth 1"])
 def test_a_failed_step_leaves_no_step_in_flight(tiny, overlap):
     """After the failed step and the cancels, the engine has no work: the server's health
-    check after a failed step asks exactly this (``EngineCore.problem``)."""
+    check after a failed step asks exactly this (``EngineCore.problem``). With depth 1 the
+    step before the failed one was once left in ``Engine.flight``, so the server's engine
+    core died on any failed step when the device ran ahead."""
     engine, _ = _failed_step(tiny, overlap, AT[1])
     assert not engine.has_work(), "a failed step is left in flight"
 
 
-@pytest.mark.parametrize("at", [
-    pytest.param(AT[0], marks=pytest.mark.xfail(strict=True, reason=NUMBERING_BUG)), AT[1]])
+@pytest.mark.parametrize("at", AT)
 @pytest.mark.parametrize("overlap", [False, True], ids=["depth 0", "depth 1"])
 def test_the_engine_serves_on_after_a_failed_step(tiny, overlap, at):
     """After the failed step and the cancels, the engine serves on: a new request gets
-    the oracle's answer, and the pool is whole after it."""
+    the oracle's answer, and the pool is whole after it. (The draws were once numbered
+    by the failed plan while the runner kept the last launched one's, so a request
+    submitted after the failure got wrong tokens.)"""
     engine, real = _failed_step(tiny, overlap, at)
     engine.runner.launch = real
     (req,) = _generate(engine, SWAP_PROMPTS[:1], SWAP_PARAMS)
@@ -355,11 +345,6 @@ def test_a_cancel_the_engine_refuses_changes_nothing(tiny, overlap):
     assert len(victim.live) == 3 and not victim.finished
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gap (issue 44): Engine.cancel takes the request out of the scheduler's queues before "
-    "it frees its sequences; a free that fails half way leaves the request's other "
-    "sequences holding blocks that no request owns (the pool's audit cannot see it), and "
-    "they are never given back"))
 @pytest.mark.parametrize("overlap", [False, True], ids=["depth 0", "depth 1"])
 def test_a_cancel_that_fails_leaves_the_pool_clean(tiny, overlap):
     """A cancel fails half way: the pool fails to free the second of a request's three
