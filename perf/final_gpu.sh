@@ -4,12 +4,13 @@
 # machine keeps while it stays warm, and perf/device_env.sh joins them). STEPS picks, in
 # order, from:
 #   part     copy the carried .bigfile parts to /tmp (nothing else)
-#   tests    the package's tests that touch the GPU (pytest -n 8; the model file and gguf
-#            when present)
+#   tests    the package's tests on the GPU (pytest -n 8), with the model file and the
+#            server's wheels (WHEELS; see the step)
 #   ab       perf/engine_ab.sh: nano-vllm's workload in process, the code of .base/ and this
 #            checkout's, and the sampled and greedy steps at batch 64
 #   http     python -m pagedkv.bench.http at stream intervals 1 and 8, this checkout's code
-#   nbval    every notebook of book/ under nbval (the wheels of scripts/gpu_wheels.sh)
+#   nbval    the notebooks of book/ under nbval (the wheels of scripts/gpu_wheels.sh; NOTEBOOKS
+#            names some, by default every one)
 #   extra    EXTRA's commands, one a line (the perf scripts of the other issues)
 # Logs and JSON under $OUT; DATE and CARD name them.
 # Usage: STEPS="part tests" bash perf/final_gpu.sh
@@ -25,11 +26,10 @@ for s in ${STEPS:-part tests}; do
   case $s in
     part) for p in .bigfile/part*; do cp "$p" "/tmp/model.$(basename "$p")"; done ;;
     tests)
-      if [ -e .bigfile/sha256 ] && ls /tmp/model.part* >/dev/null 2>&1; then
-        source perf/device_env.sh 2>/dev/null || true
-      fi
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-        "${WHEELS:-.whlb}"/*.whl 2>/dev/null
+      # The model file and the server's wheels (WHEELS: .whls, or a smaller set of the same
+      # without the notebook stack when the last model part leaves no room in the carry);
+      # without them the model's and the server's tests fail for want of them, not of the code.
+      source perf/device_env.sh || { echo "no model file or wheels: tests not run"; status=1; continue; }
       PYTHONPATH=/tmp/site:$PWD timeout "${LIMIT:-300}" python3 -m pytest -q -rfE -n 8 \
         -p no:cacheprovider tests --ignore=tests/test_book_browser.py \
         --ignore=tests/test_jupyterlab.py --ignore=tests/test_live_figures.py \
@@ -51,7 +51,7 @@ for s in ${STEPS:-part tests}; do
       source perf/device_env.sh || { status=1; continue; }
       timeout "${LIMIT:-500}" python3 -m pytest -q -rfE -n "${WORKERS:-12}" --dist loadfile \
         -p no:cacheprovider --nbval-lax --nbval-current-env \
-        --nbval-sanitize-with tests/nbval_sanitize.cfg book/ > "$out/$card-$date-nbval.log" \
+        --nbval-sanitize-with tests/nbval_sanitize.cfg ${NOTEBOOKS:-book/} > "$out/$card-$date-nbval.log" \
         2>&1 || status=1
       grep -E "^(FAILED|ERROR)|passed|failed" "$out/$card-$date-nbval.log" | tail -25 ;;
     extra) while IFS= read -r cmd; do
