@@ -22,7 +22,7 @@ the engine's steps, tokens per sequence-step (a sequence's new tokens per step i
 in: 1 without speculation, up to k + 1 with it), guesses made and the share accepted, and
 whether every answer equals the ``off`` answer (greedy: it must, but for a near-tie that a
 float16 pass of another shape breaks otherwise). Each measurement is the median of
-``--repeat`` runs, the three modes taking turns. The default's threshold is checked at the
+``--repeat`` runs, the three modes taking turns, after ``--warmup`` untimed runs of each. The default's threshold is checked at the
 end: the largest batch at which ``on`` is not slower than ``off`` on each workload.
 
 On a GPU the fast runner replays CUDA graphs (all captured before the timing) with the
@@ -142,9 +142,14 @@ def one_run(engine, prompts, params) -> dict:
             "answers": answers}
 
 
-def measure(engs: dict, prompts, params, repeat: int) -> dict:
-    """Each mode ``repeat`` times, the modes taking turns; the median run of each (by
-    tokens/s), and whether its answers are the ``off`` answers."""
+def measure(engs: dict, prompts, params, repeat: int, warmup: int = 1) -> dict:
+    """Each mode ``warmup`` times untimed (a workload's first run pays for what its shapes
+    need the first time: on an H100 a mode run first was up to 1.6 times slower than the
+    same work run after it), then ``repeat`` times, the modes taking turns; the median run
+    of each (by tokens/s), and whether its answers are the ``off`` answers."""
+    for _ in range(warmup):
+        for mode in engs:
+            one_run(engs[mode], prompts, params)
     runs = {mode: [] for mode in engs}
     for i in range(repeat):
         order = list(engs)[i % len(engs):] + list(engs)[:i % len(engs)]
@@ -191,11 +196,13 @@ def run(args, model=None, tok=None, save=None) -> dict:
                                else [1, 8, 64, 256])
     new = args.new_tokens or (16 if args.quick else 128)
     repeat = args.repeat or (1 if args.quick else 3)
+    if args.warmup is None:
+        args.warmup = 0 if args.quick else 1
     runner = args.runner or ("fast" if backend.on_gpu else "plain")
     longest = max(len(p) for prompts, _ in loads.values() for p in prompts)
     r = {"backend": backend.describe(), "date": datetime.datetime.now().isoformat(
              timespec="seconds"), "dtype": str(model.dtype), "runner": runner,
-         "new_tokens": new, "repeat": repeat, "seed": args.seed,
+         "new_tokens": new, "repeat": repeat, "warmup": args.warmup, "seed": args.seed,
          "default": vars(Speculation()), "python": platform.python_version(),
          "numpy": np.__version__, "command": "python -m pagedkv.bench.speculate " +
          " ".join(args.argv), "results": {}}
@@ -203,13 +210,13 @@ def run(args, model=None, tok=None, save=None) -> dict:
         from . import cpu_name
         r["cpu"] = cpu_name()
     print(f"{model.dtype} on {backend.name}, runner {runner!r}; {new} new tokens; "
-          f"median of {repeat}", flush=True)
+          f"median of {repeat} after {args.warmup} untimed", flush=True)
     for b in batches:
         engs = engines(model, b, longest, new, (tok.eos_id,), runner)
         for name, (prompts, ignore_eos) in loads.items():
             params = SamplingParams(max_new_tokens=new, ignore_eos=ignore_eos)
             batch = [prompts[i % len(prompts)] for i in range(b)]
-            got = measure(engs, batch, params, repeat)
+            got = measure(engs, batch, params, repeat, args.warmup)
             r["results"].setdefault(name, {})[b] = got
             print(line(name, b, got), flush=True)
         del engs
@@ -239,6 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", type=lambda s: s.split(","))
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--repeat", type=int)
+    p.add_argument("--warmup", type=int,
+                   help="untimed runs of each mode first (default 1; 0 with --quick)")
     p.add_argument("--runner", choices=("plain", "fast", "fast-eager"))
     p.add_argument("--seed", type=int, default=40)
     p.add_argument("--gguf")
