@@ -360,8 +360,10 @@ def _default_workload(data: dict) -> bool:
 
 def is_serve(data: dict) -> bool:
     """An in-process serving result of ``python -m pagedkv.bench.serve`` on the default
-    workload (every request at once, no spike)."""
-    return _default_workload(data) and "output_tokens_per_s" in data.get("pagedkv", {})
+    workload (every request at once, no spike) with the default float16 cache."""
+    engine = data.get("pagedkv", {})
+    return (_default_workload(data) and "output_tokens_per_s" in engine
+            and engine.get("kv_dtype", "float16") == "float16")
 
 
 def is_http(data: dict) -> bool:
@@ -371,7 +373,7 @@ def is_http(data: dict) -> bool:
 
 def is_serve_with_peer(data: dict) -> bool:
     """An in-process serving result with a peer measured beside pagedkv in the same run."""
-    return is_serve(data) and len(_engines(data, "output_tokens_per_s")) > 1
+    return is_serve(data) and len(_engines(data, "ttft_ms")) > 1      # not the floor
 
 
 SCOREBOARD = {"step": ("model-*.json", is_step), "serve": ("serve-*.json", is_serve),

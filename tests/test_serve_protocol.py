@@ -49,7 +49,8 @@ def test_the_http_side_imports_neither_the_model_nor_the_kernels(module):
     (the server's process reads requests without them; only the engine's loads them)."""
     code = (f"import sys, pagedkv.serve.{module}; print(sorted(m for m in sys.modules "
             f"if m.startswith(('pagedkv.model', 'pagedkv.kernels'))))")
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    path = [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]   # where the wheels may be
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=60, check=True).stdout
     assert out.strip() == "[]", out
