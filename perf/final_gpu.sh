@@ -20,6 +20,13 @@ out=${OUT:-artifacts/final}; date=${DATE:-$(date +%F)}
 card=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+header() {  # the "# key: value" lines pagedkv.provenance reads at the top of a log
+  echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "# gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+    | head -1)"
+  echo "# backend: $(python3 -c 'import pagedkv.backend as b; print(b.describe())')"
+  echo "# commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+}
 status=0
 for s in ${STEPS:-part tests}; do
   echo "=== $s ($(date +%T))"
@@ -29,12 +36,13 @@ for s in ${STEPS:-part tests}; do
       # The model file and the server's wheels (WHEELS: .whls, or a smaller set of the same
       # without the notebook stack when the last model part leaves no room in the carry);
       # without them the model's and the server's tests fail for want of them, not of the code.
-      source perf/device_env.sh || { echo "no model file or wheels: tests not run"; status=1; continue; }
-      PYTHONPATH=/tmp/site:$PWD timeout "${LIMIT:-300}" python3 -m pytest -q -rfE -n 8 \
+      source perf/device_env.sh || {
+        echo "no model file or wheels: tests not run"; status=1; continue; }
+      { header; PYTHONPATH=/tmp/site:$PWD timeout "${LIMIT:-300}" python3 -m pytest -q -rfE -n 8 \
         -p no:cacheprovider tests --ignore=tests/test_book_browser.py \
         --ignore=tests/test_jupyterlab.py --ignore=tests/test_live_figures.py \
         --ignore=tests/test_serve_browser.py --ignore=tests/test_serve_install.py \
-        --deselect tests/test_allocator.py::test_close_returns_the_memory \
+        --deselect tests/test_allocator.py::test_close_returns_the_memory; } \
         > "$out/$card-$date-pytest.log" 2>&1 || status=1
       grep -E "^(FAILED|ERROR)|passed|failed" "$out/$card-$date-pytest.log" | tail -25 ;;
     ab) OUT=$out NAME=serve-$card-$date ROUNDS=${ROUNDS:-1} WHEELS=${WHEELS:-.whlb} \
@@ -49,10 +57,10 @@ for s in ${STEPS:-part tests}; do
     nbval) python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
         --target /tmp/site .whls/*.whl
       source perf/device_env.sh || { status=1; continue; }
-      timeout "${LIMIT:-500}" python3 -m pytest -q -rfE -n "${WORKERS:-12}" --dist loadfile \
-        -p no:cacheprovider --nbval-lax --nbval-current-env \
-        --nbval-sanitize-with tests/nbval_sanitize.cfg ${NOTEBOOKS:-book/} > "$out/$card-$date-nbval.log" \
-        2>&1 || status=1
+      { header; timeout "${LIMIT:-500}" python3 -m pytest -q -rfE -n "${WORKERS:-12}" \
+        --dist loadfile -p no:cacheprovider --nbval-lax --nbval-current-env \
+        --nbval-sanitize-with tests/nbval_sanitize.cfg ${NOTEBOOKS:-book/}; } \
+        > "$out/$card-$date-nbval.log" 2>&1 || status=1
       grep -E "^(FAILED|ERROR)|passed|failed" "$out/$card-$date-nbval.log" | tail -25 ;;
     extra) while IFS= read -r cmd; do
         [ -n "$cmd" ] || continue
