@@ -72,17 +72,19 @@ TARGETS = {
         functions=["splitmix64", "uniforms", "derive_seed", "probabilities", "thresholds",
                    "reference_rows", "sample_rows", "pack_rows", "sample_packed",
                    "kept_tokens", "_check", "_per_row", "_on_host", "_xp"],
-        why="the NumPy path: every function but the GPU kernel's launchers (_kernel, "
-            "_smem_limit, _params, _launch), which need a GPU"),
+        why="the host sampler (the NumPy path the engine draws with on a CPU) and the "
+            "GPU branches of its callers, run on a CPU against a stand-in for CuPy and the "
+            "kernel: every function but the kernel's launchers (_kernel, _smem_limit, "
+            "_params, _launch), which need a GPU"),
 }
 
 # Survivors judged equivalent (or out of the module's reach), by mutant name, with a piece
 # of the mutated line that must still be in its diff (so a note never sticks to another
 # mutant after the code moves) and why.
-GPU_ONLY = ("GPU only: code after the NumPy path's return, or a branch taken for CuPy "
-            "arrays alone; the kernel's tests run it where there is a GPU")
-NUMPY_IS_XP = ("the same on a CPU: without a GPU backend.xp is NumPy, so the array module "
-               "chosen is NumPy either way (the GPU tests tell them apart)")
+SAME_XP = ("splitmix64 uses its xp only for xp.uint64, and cupy.uint64 is numpy.uint64: "
+           "the same call on NumPy and CuPy alike")
+UINT64_LATER = ("_params casts the seeds and counters to uint64 itself: float64 zeros are "
+                "the same zeros")
 FLOAT64 = "astype(None) is astype(float64): the same dtype"
 BUDGET_AT_0 = ("decoders never exceed the budget (each was charged in the step its prefill "
                "ended or it was swapped in), so the budget here is >= 0; at 0 a prefill's "
@@ -114,68 +116,17 @@ EQUIVALENT: dict = {
     'pagedkv.scheduler.xǁSchedulerǁ_admit__mutmut_38': ("break", LAST_LOOP),
     'pagedkv.scheduler.xǁSchedulerǁ_admit__mutmut_45': ("self.prefilling[req] = None", UNREAD),
     'pagedkv.scheduler.xǁSchedulerǁ_swap_in__mutmut_30': ("self.prefilling[req] = None", UNREAD),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_16': ('rows = _check(logits)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_17': ('rows = _check(logits)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_18': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_19': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_20': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_21': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_22': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_23': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_24': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_25': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_26': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_27': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_28': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_29': ('args = [_per_row(a, rows, name, np if _on_host(a) else xp)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_30': ('for a, name in zip((temperature, top_p, top_k, seeds, counters), _NAMES)]', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_31': ('for a, name in zip((temperature, top_p, top_k, seeds, counters), _NAMES)]', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_32': ('for a, name in zip((temperature, top_p, top_k, seeds, counters), _NAMES)]', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_33': ('for a, name in zip((temperature, top_p, top_k, seeds, counters), _NAMES)]', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_34': ('return _launch(logits, _params(*args, xp=xp))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_35': ('return _launch(logits, _params(*args, xp=xp))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_36': ('return _launch(logits, _params(*args, xp=xp))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_37': ('return _launch(logits, _params(*args, xp=xp))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_38': ('return _launch(logits, _params(*args, xp=xp))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_39': ('return _launch(logits, _params(*args, xp=xp))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_40': ('return _launch(logits, _params(*args, xp=xp))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_33': ('zeros = np.zeros(rows, np.uint64)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_34': ('zeros = np.zeros(rows, np.uint64)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_35': ('zeros = np.zeros(rows, np.uint64)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_36': ('zeros = np.zeros(rows, np.uint64)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_37': ('zeros = np.zeros(rows, np.uint64)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_38': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_39': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_40': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_41': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_42': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_43': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_44': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_45': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_46': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_47': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_48': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_49': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_50': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_51': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_52': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_53': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_54': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_55': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_56': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_57': ('_, thr, _ = _launch(logits, _params(t, tp, tk, zeros, zeros, xp), details=True)', GPU_ONLY),
-    'pagedkv.kernels.sampling.x__per_row__mutmut_38': ('elif a.shape != (rows,):', GPU_ONLY),
-    'pagedkv.kernels.sampling.x__per_row__mutmut_39': ('raise ConfigError(f"{name} must be {rows} values (one per row), got shape {a.shape}")', GPU_ONLY),
-    'pagedkv.kernels.sampling.x__on_host__mutmut_1': ('return not (backend.on_gpu and isinstance(a, backend.xp.ndarray))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x__on_host__mutmut_2': ('return not (backend.on_gpu and isinstance(a, backend.xp.ndarray))', GPU_ONLY),
-    'pagedkv.kernels.sampling.x_sample_rows__mutmut_2': ('xp = _xp(logits)', NUMPY_IS_XP),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_2': ('xp = _xp(logits)', NUMPY_IS_XP),
-    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_24': ('p = probabilities(logits, t, xp)', NUMPY_IS_XP),
-    'pagedkv.kernels.sampling.x_uniforms__mutmut_6': ('start = splitmix64(xp.asarray(seeds, dtype=u), xp)', NUMPY_IS_XP),
-    'pagedkv.kernels.sampling.x_uniforms__mutmut_24': ('bits = splitmix64(state, xp) >> u(40)', NUMPY_IS_XP),
-    'pagedkv.kernels.sampling.x__xp__mutmut_1': ('return backend.xp if backend.on_gpu and isinstance(a, backend.xp.ndarray) else np', NUMPY_IS_XP),
-    'pagedkv.kernels.sampling.x__xp__mutmut_2': ('return backend.xp if backend.on_gpu and isinstance(a, backend.xp.ndarray) else np', NUMPY_IS_XP),
-    'pagedkv.kernels.sampling.x__xp__mutmut_3': ('return backend.xp if backend.on_gpu and isinstance(a, backend.xp.ndarray) else np', NUMPY_IS_XP),
+    'pagedkv.kernels.sampling.x_uniforms__mutmut_6': (
+        'start = splitmix64(xp.asarray(seeds, dtype=u), xp)', SAME_XP),
+    'pagedkv.kernels.sampling.x_uniforms__mutmut_24': (
+        'bits = splitmix64(state, xp) >> u(40)', SAME_XP),
+    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_35': (
+        'zeros = np.zeros(rows, np.uint64)', UINT64_LATER),
+    'pagedkv.kernels.sampling.x_kept_tokens__mutmut_37': (
+        'zeros = np.zeros(rows, np.uint64)', UINT64_LATER),
+    'pagedkv.kernels.sampling.x_sample_packed__mutmut_5': (
+        't, tp = packed[:2].view(np.float64)',
+        "view(None) is view(float64): NumPy reads a dtype of None as its default, float64"),
     'pagedkv.kernels.sampling.x_reference_rows__mutmut_30': ('u = uniforms(s, c).astype(np.float64)', FLOAT64),
     'pagedkv.kernels.sampling.x_reference_rows__mutmut_49': ('cum = np.cumsum(np.where(kept, p[r], 0).astype(np.float64))', FLOAT64),
     'pagedkv.kernels.sampling.x_thresholds__mutmut_21': ('group = np.bincount(inverse, weights=row[row > 0].astype(np.float64))', FLOAT64),

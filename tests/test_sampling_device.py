@@ -436,6 +436,15 @@ def test_a_uniform_of_zero_draws_the_first_kept_token():
     assert sample_rows(logits, 1.0, 1.0, 0, 7, 2043136).tolist() == [0]
 
 
+def test_a_greedy_rows_kept_set_is_its_first_argmax_alone():
+    """A row at T = 0 keeps one token, its first largest logit (whatever top-p and top-k
+    say); a sampled row beside it keeps by the rule."""
+    logits = np.array([[1.0, 3.0, 3.0, 0.0], [1.0, 3.0, 3.0, 0.0]], np.float32)
+    assert kept_tokens(logits, [0.0, 1.0], 1.0, 0).tolist() == [[False, True, False, False],
+                                                                [True, True, True, True]]
+    assert kept_tokens(logits, 0.0, 0.5, 3).tolist() == [[False, True, False, False]] * 2
+
+
 def test_top_p_of_one_keeps_every_token_however_unlikely():
     """top_p = 1 keeps every token whose p is above 0, even one whose p adds nothing to
     the float64 mass (e**-40 beside 1)."""
@@ -607,3 +616,174 @@ def test_gpu_kernel_keeps_and_draws_what_the_reference_does(vocab):
     assert on_gpu.tolist() == on_gpu_dev.tolist()
     assert on_gpu[t == 0].tolist() == np.argmax(logits[t == 0], axis=1).tolist()
     assert kept_gpu[np.arange(rows), on_gpu][sampled].all()       # a kept token, always
+
+
+# ------------------------------------------------------------------ the device path's plumbing
+
+class _DeviceArray(np.ndarray):
+    """A NumPy array that stands for a device array (CuPy's, to the module): as CuPy does,
+    its arithmetic refuses a host array beside it (scalars are fine)."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if any(type(a) is np.ndarray for a in inputs):
+            raise TypeError(f"{ufunc.__name__}: a host array beside a device array")
+        args = [a.view(np.ndarray) if isinstance(a, _DeviceArray) else a for a in inputs]
+        out = getattr(ufunc, method)(*args, **kwargs)
+        return out.view(_DeviceArray) if isinstance(out, np.ndarray) else out
+
+
+class _FakeCuPy:
+    """Stands in for CuPy on a CPU: NumPy's functions, answering with device arrays, and
+    NumPy's types; ``uploads`` counts the host arrays moved to the "device" by
+    ``asarray``."""
+    ndarray = _DeviceArray
+
+    def __init__(self):
+        self.uploads = 0
+
+    def asarray(self, a, dtype=None):
+        if not isinstance(a, _DeviceArray):
+            self.uploads += 1
+        return np.asarray(a, dtype).view(_DeviceArray)
+
+    def __getattr__(self, name):
+        f = getattr(np, name)
+        if not callable(f) or isinstance(f, type):
+            return f
+
+        def on_device(*args, **kwargs):
+            out = f(*args, **kwargs)
+            return out.view(_DeviceArray) if isinstance(out, np.ndarray) else out
+        return on_device
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The module's GPU path on a CPU: ``backend`` says a GPU is in use, with
+    :class:`_FakeCuPy` as its array module, and the kernel's launch is a stand-in that
+    records what it is handed and answers as the rule does (``reference_rows`` on the
+    decoded parameters; with ``details``, the thresholds too)."""
+    from pagedkv.kernels import sampling
+    fake = _FakeCuPy()
+    fake.launches = []
+
+    def launch(logits, params, details=False):
+        assert isinstance(logits, _DeviceArray) and isinstance(params, _DeviceArray)
+        assert params.dtype == np.uint64 and params.shape == (5, logits.shape[0])
+        fake.launches.append((np.asarray(params).copy(), details))
+        lg, par = np.asarray(logits), np.asarray(params)
+        t, tp = par[:2].view(np.float64)
+        out = sampling.reference_rows(lg, t, tp, par[2].astype(np.int64), par[3], par[4])
+        if not details:
+            return out.view(_DeviceArray)
+        thr, mass = sampling.thresholds(sampling.probabilities(lg, t), tp,
+                                        par[2].astype(np.int64))
+        return out.view(_DeviceArray), thr.view(_DeviceArray), mass.view(_DeviceArray)
+
+    monkeypatch.setattr(backend, "on_gpu", True)
+    monkeypatch.setattr(backend, "xp", fake)
+    monkeypatch.setattr(sampling, "_launch", launch)
+    return fake
+
+
+def _params_by_hand(t, tp, tk, s, c):
+    """The kernel's [5, rows] uint64 parameters, as its docstring lays them out: T and
+    top_p as float64 bits, then top_k, seed and counter."""
+    return np.stack([np.asarray(t, np.float64).view(np.uint64),
+                     np.asarray(tp, np.float64).view(np.uint64),
+                     np.asarray(tk, np.uint64), np.asarray(s, np.uint64),
+                     np.asarray(c, np.uint64)])
+
+
+def test_device_logits_launch_the_kernel_once_with_the_rows_parameters(fake_gpu):
+    """On a GPU (a stand-in for CuPy and the kernel here), device logits are sampled by
+    one launch, handed the five per-row parameters in order (scalars spread to every row,
+    T and top_p as float64 bits), uploaded as one array, and the launch's tokens are the
+    answer."""
+    rng = rng_for(101)
+    logits = rng.normal(size=(4, 30)).astype(np.float32) * 3
+    t, tp, tk = [0.0, 0.7, 1.0, 1.9], 0.9, [0, 2, 5, 30]
+    seeds, counters = np.array([3, 2**64 - 1, 11, 12], np.uint64), 17
+    want = sample_rows(logits, t, tp, tk, seeds, counters)       # host logits: NumPy
+    assert fake_gpu.launches == [] and fake_gpu.uploads == 0
+    got = sample_rows(fake_gpu.asarray(logits), t, tp, tk, seeds, counters)
+    assert fake_gpu.uploads == 2                                 # the logits, the parameters
+    assert len(fake_gpu.launches) == 1
+    params, details = fake_gpu.launches[0]
+    assert details is False
+    assert params.tolist() == _params_by_hand(t, [tp] * 4, tk, seeds, [counters] * 4).tolist()
+    assert isinstance(got, _DeviceArray) and np.asarray(got).tolist() == want.tolist()
+
+
+def test_device_logits_check_host_parameters_and_take_device_ones_as_they_are(fake_gpu):
+    """On a GPU, host parameters are checked as on NumPy (values, one per row); a device
+    array is not checked (that would wait for the device) but must hold one value per
+    row, and is handed to the kernel as it is, without a trip through the host."""
+    logits = fake_gpu.asarray(np.zeros((3, 5), np.float32))
+    with pytest.raises(ConfigError, match="top_p must be numbers in"):
+        sample_rows(logits, 1.0, 1.5, 0, 1, 0)
+    with pytest.raises(ConfigError, match=r"^seeds must be a scalar or 3 values \(one per "
+                                          r"row\), got shape \(2,\)$"):
+        sample_rows(logits, 1.0, 1.0, 0, [1, 2], 0)
+    with pytest.raises(ConfigError, match=r"^top_k must be 3 values \(one per row\), got "
+                                          r"shape \(2,\)$"):
+        sample_rows(logits, 1.0, 1.0, fake_gpu.asarray(np.array([1, 2])), 1, 0)
+    with pytest.raises(ConfigError, match="logits must be a float32 array"):
+        sample_rows(fake_gpu.asarray(np.zeros((3, 5), np.float16)), 1.0, 1.0, 0, 1, 0)
+    with pytest.raises(ConfigError, match="logits must have rows and a vocabulary"):
+        sample_rows(fake_gpu.asarray(np.zeros((3, 0), np.float32)), 1.0, 1.0, 0, 1, 0)
+    assert fake_gpu.launches == []
+    dev = [fake_gpu.asarray(np.array(a)) for a in
+           ([1.0, 0.5, 2.0], [1.0, 0.9, 0.3], [0, 2, 1], [5, 6, 7], [0, 1, 2])]
+    uploads = fake_gpu.uploads
+    sample_rows(logits, *dev)
+    assert fake_gpu.uploads == uploads                   # nothing went through the host
+    assert fake_gpu.launches[0][0].tolist() == _params_by_hand(
+        *(np.asarray(a) for a in dev)).tolist()
+
+
+def test_host_logits_are_sampled_on_the_host_even_with_a_gpu(fake_gpu):
+    """With a GPU in use, NumPy logits (a packed batch's too) are sampled by the NumPy
+    rule: the kernel is never launched and nothing is uploaded."""
+    from pagedkv.kernels.sampling import pack_rows, sample_packed
+    logits = np.log(np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])).astype(np.float32)
+    assert sample_rows(logits, 0.0, 1.0, 0, 1, 0).tolist() == [0, 2]
+    assert sample_packed(logits, pack_rows([0.0, 0.0], [1.0, 1.0], [0, 0], [1, 1],
+                                           [0, 0])).tolist() == [0, 2]
+    assert kept_tokens(logits, 1.0, 0.5, 0).tolist() == [[True, False, False],
+                                                         [False, False, True]]
+    assert fake_gpu.launches == [] and fake_gpu.uploads == 0
+
+
+def test_a_packed_batch_on_the_device_is_one_launch_of_the_packed_array(fake_gpu):
+    """``sample_packed`` with device logits checks the logits, uploads the packed array
+    as it is and launches the kernel once with it; its tokens are the answer."""
+    from pagedkv.kernels.sampling import pack_rows, sample_packed
+    rng = rng_for(103)
+    logits = rng.normal(size=(3, 20)).astype(np.float32)
+    lists = ([0.0, 0.8, 1.2], [1.0, 0.9, 0.6], [0, 3, 0], [1, 2, 3], [9, 8, 7])
+    packed = pack_rows(*lists)
+    want = sample_rows(logits, *(np.array(a) for a in lists))
+    got = sample_packed(fake_gpu.asarray(logits), packed)
+    assert len(fake_gpu.launches) == 1
+    assert fake_gpu.launches[0][0].tolist() == packed.tolist()
+    assert np.asarray(got).tolist() == want.tolist()
+    with pytest.raises(ConfigError, match="logits must be a float32 array"):
+        sample_packed(fake_gpu.asarray(np.zeros((3, 20))), packed)
+
+
+def test_device_kept_sets_come_from_the_kernels_thresholds(fake_gpu):
+    """``kept_tokens`` on device logits launches the kernel once for its thresholds
+    (``details``), with seeds and counters 0, and keeps ``p >= threshold`` (a greedy row:
+    its argmax alone), as the NumPy rule keeps."""
+    rng = rng_for(107)
+    logits = (rng.normal(size=(5, 40)) * 2).astype(np.float32)
+    t, tp, tk = [0.0, 0.6, 1.0, 1.0, 2.0], [1.0, 0.8, 0.5, 1.0, 0.95], [0, 0, 4, 7, 0]
+    want = kept_tokens(logits, t, tp, tk)
+    got = kept_tokens(fake_gpu.asarray(logits), t, tp, tk)
+    assert len(fake_gpu.launches) == 1
+    params, details = fake_gpu.launches[0]
+    assert details is True
+    assert params.tolist() == _params_by_hand(t, tp, tk, [0] * 5, [0] * 5).tolist()
+    assert np.asarray(got).tolist() == want.tolist()
+    assert want[0].sum() == 1 and want[3].sum() == 7     # greedy: one; top-k 7: seven
