@@ -6,57 +6,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import queue
-import threading
 import time
 
 import httpx
 import pytest
 
-from pagedkv.config import EngineConfig
 from pagedkv.serve.app import create_app
 from pagedkv.serve.client import EngineClient
 from pagedkv.serve.limits import PAGE_HEADERS, Limits
-from pagedkv.serve.messages import Answer, Ready, Stepped, Submit
 from pagedkv.serve.models import ByteTokenizer, Served
+
+from _serving import Instant
 
 MODEL = "tiny-random-llama"
 TOK = ByteTokenizer()
-
-
-STATS = dict(pool=dict(total=8, used=0, free=8, cached=0), running=0, waiting=0,
-             swapped=0, prompt_tokens_prefilled=0, prompt_tokens_cached=0,
-             drafted_tokens=0, accepted_tokens=0, requests=0,
-             rejected=0, prompt_tokens=0, generated_tokens=0, steps=0, failed_steps=0,
-             step_seconds=0.0)
-
-
-class Instant:
-    """A core on a thread that answers every request at once: its answer is the prompt
-    again, one token a step (each step its own message, as a real core sends them)."""
-
-    def start(self, receive):
-        self.inbox = queue.SimpleQueue()
-        threading.Thread(target=self._run, args=(receive,), daemon=True).start()
-        return Ready(EngineConfig(num_blocks=8, stop_ids=(0,)), {}, STATS)
-
-    def _run(self, receive):
-        while (m := self.inbox.get()) is not None:
-            if not isinstance(m, Submit):
-                continue
-            receive(Answer(m.key))
-            tokens = (m.prompt * m.params.max_new_tokens)[:m.params.max_new_tokens]
-            for i, t in enumerate(tokens):
-                last = i == len(tokens) - 1
-                receive(Stepped([(m.key, [(0, [t], last)], None, last)],
-                                {m.key: time.monotonic()} if i == 0 else {}, STATS,
-                                time.monotonic()))
-
-    def send(self, m):
-        self.inbox.put(m)
-
-    def stop(self, timeout=1.0):
-        self.inbox.put(None)
 
 
 class SlowTokenizer(ByteTokenizer):
