@@ -2,6 +2,7 @@
 that answers at once."""
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 import time
@@ -25,6 +26,19 @@ def idle(server, deadline: float = 10.0) -> dict:
         if time.monotonic() > end:
             raise AssertionError(f"the pool did not empty within {deadline} s: {pool}")
         time.sleep(0.05)
+
+
+def within(seconds: float, what: str, call, *args, **kw):
+    """``call(*args, **kw)``'s result, which must come within ``seconds``; else the test
+    fails saying what it expected (a fault names itself, rather than a client giving up
+    after its own timeout)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(call, *args, **kw).result(seconds)
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(f"no answer within {seconds:g} s: expected {what}") from None
+    finally:
+        pool.shutdown(wait=False)
 
 
 def metric(server, name: str) -> float:

@@ -37,7 +37,11 @@ def front(**limits):
     limits = Limits(**{"read_timeout": 30.0, **limits})
     served = Served(MODEL, None, TOK, 2048, ByteTokenizer.vocab_size, 13)
     client = EngineClient(Instant(), TOK).start()
-    config = uvicorn.Config(create_app(client, served, limits), host="127.0.0.1",
+    app = create_app(client, served, limits)
+
+    async def asgi(scope, receive, send):   # (a function: mutmut's trampolines hide
+        await app(scope, receive, send)      # from uvicorn that the app's __call__ is async)
+    config = uvicorn.Config(asgi, host="127.0.0.1", interface="asgi3",
                             port=free_port(), log_level="warning", access_log=False,
                             limit_concurrency=limits.max_connections, lifespan="off",
                             http=protocol_class(limits), timeout_graceful_shutdown=2)
