@@ -220,3 +220,53 @@ def test_a_non_loopback_bind_is_warned_about(caplog):
         _warn_if_exposed(Limits(host="0.0.0.0", api_key="k", allowed_hosts=("h",)))
         (record,) = caplog.records
         assert "--api-key" not in record.message and "rebound" not in record.message
+
+
+def test_the_content_type_and_origin_checks():
+    """A POST body must be application/json (parameters and case aside): 415 otherwise,
+    naming what came; a page of this server's own origin may post, another site's gets
+    403 unless --allow-origin names it or is '*'."""
+    app, client = _app()
+    try:
+        body = json.dumps(_body(stream=False)).encode()
+        for kind in ("application/json", "application/json; charset=utf-8",
+                     " Application/JSON "):
+            r = _call(app, "POST", "/v1/completions", content=body,
+                      headers={"Content-Type": kind})
+            assert r.status_code == 200, (kind, r.text)
+        for headers, words in (({"Content-Type": "text/plain"}, "got 'text/plain'"),
+                               ({}, "got no Content-Type")):
+            r = _call(app, "POST", "/v1/completions", content=body, headers=headers)
+            assert r.status_code == 415, r.text
+            assert r.json()["error"]["message"] == \
+                f"a request body must be application/json, {words}"
+        own = {"Origin": "http://127.0.0.1", "Content-Type": "application/json"}
+        assert _call(app, "POST", "/v1/completions", content=body,
+                     headers=own).status_code == 200
+        other = dict(own, Origin="http://127.0.0.1:9")
+        r = _call(app, "GET", "/v1/models", headers=other)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        assert r.json()["error"]["message"] == (
+            "Origin 'http://127.0.0.1:9' may not use this server (its own pages may; "
+            "others need --allow-origin)")
+    finally:
+        client.stop()
+    for origins in (("*",), ("http://127.0.0.1:9",)):
+        app, client = _app(Limits(allow_origins=origins))
+        try:
+            r = _call(app, "GET", "/v1/models", headers={"Origin": "http://127.0.0.1:9"})
+            assert r.status_code == 200, (origins, r.text)
+            r = _call(app, "GET", "/v1/models", headers={"Origin": "http://other:1"})
+            assert r.status_code == (200 if origins == ("*",) else 403), origins
+        finally:
+            client.stop()
+
+
+def test_which_names_are_loopback():
+    from pagedkv.serve.limits import allowed_hosts, is_loopback
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.5") and not is_loopback("example.com")
+    assert allowed_hosts(Limits(host="::")) == allowed_hosts(Limits(host="")) == ["*"]
+    assert allowed_hosts(Limits(host="fe80::1")) == ["[fe80::1]"]
+    assert allowed_hosts(Limits(host="::1", allowed_hosts=("a",))) == \
+        ["127.0.0.1", "localhost", "[::1]", "a"]

@@ -253,3 +253,56 @@ def test_the_engine_spec_leaves_the_machines_choices_to_where_the_model_runs():
         EngineSpec.of("gpt-4")
     with pytest.raises(ConfigError, match="block_size"):
         EngineSpec.of("tiny", block_size=0)
+
+
+def test_the_core_s_news_become_each_job_s_events():
+    """Over a silent transport the test speaks for the core: a refusal ends its job
+    (Rejected, no longer waiting); an accepted job gets its deltas and Done; a stop
+    string ends a job before its sequence does, and its cancel is sent; a failed step
+    fails the jobs in it (500) and only those; text that cannot be made fails its job
+    (500) and cancels it; a word after a stall ends the stall."""
+    from pagedkv.serve.messages import StepFailed
+    t = Silent()
+    client = EngineClient(t, TOK, stall_timeout=30).start()
+    try:
+        refused, r_events = _job()
+        client.submit(refused)
+        assert client.unanswered == 1
+        t.receive(Answer(refused.key, 429, "too many"))
+        assert r_events.events == [Rejected(429, "too many")]
+        assert client.unanswered == 0 and refused.key not in client.jobs
+        whole, w_events = _job(2)
+        stopped, s_events = _job(8, stop=("c",))
+        failing, f_events = _job()
+        other, o_events = _job()
+        for job in (whole, stopped, failing, other):
+            client.submit(job)
+            t.receive(Answer(job.key))
+            assert job.accepted
+        assert client.unanswered == 0
+        a, b, c = TOK.encode_text("abc")
+        t.receive(Stepped([(whole.key, [(0, [a, b], True)], None, True),
+                           (stopped.key, [(0, [a, b, c], False)], None, False)],
+                          {whole.key: 1.0}, {"steps": 7}, time.monotonic()))
+        assert client.core_stats == {"steps": 7} and whole.admitted == 1.0
+        assert "".join(e.text for e in w_events.events if isinstance(e, Delta)) == "ab"
+        assert isinstance(w_events.events[-1], Done)
+        assert "".join(e.text for e in s_events.events if isinstance(e, Delta)) == "ab"
+        assert s_events.events[-2].finish_reason == "stop"
+        assert isinstance(s_events.events[-1], Done)
+        assert Cancel(stopped.key) in t.sent and Cancel(whole.key) not in t.sent
+        assert client.stats["finished"] == 2 and set(client.jobs) == {failing.key,
+                                                                      other.key}
+        t.receive(StepFailed([failing.key], "the engine failed: boom", {"steps": 8}))
+        assert f_events.events[-1] == Failed(500, "the engine failed: boom")
+        assert client.stats["failed"] == 1 and set(client.jobs) == {other.key}
+        assert not any(isinstance(e, Failed) for e in o_events.events)
+        client.texts.tokenizer = None               # decoding now fails
+        t.receive(Stepped([(other.key, [(0, [a], False)], None, False)], {}, {},
+                          time.monotonic()))
+        assert o_events.events[-1].status == 500
+        assert "the server failed on this request" in o_events.events[-1].message
+        assert Cancel(other.key) in t.sent and not client.jobs
+        assert client.stats["failed"] == 2 and client.health() is None
+    finally:
+        client.stop()
