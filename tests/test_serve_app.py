@@ -131,6 +131,7 @@ def test_the_api_key():
                 assert r.status_code == 401, r.text
                 err = r.json()["error"]
                 assert words in err["message"] and err["code"] == "invalid_api_key"
+                assert err["type"] == "invalid_request_error"
         ok = {"Authorization": "Bearer s3cret"}
         assert _call(app, "GET", "/v1/models", headers=ok).status_code == 200
         r = _call(app, "POST", "/v1/completions", json=_body(stream=False), headers=ok)
@@ -238,6 +239,7 @@ def test_the_content_type_and_origin_checks():
                                ({}, "got no Content-Type")):
             r = _call(app, "POST", "/v1/completions", content=body, headers=headers)
             assert r.status_code == 415, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
             assert r.json()["error"]["message"] == \
                 f"a request body must be application/json, {words}"
         own = {"Origin": "http://127.0.0.1", "Content-Type": "application/json"}
@@ -270,3 +272,15 @@ def test_which_names_are_loopback():
     assert allowed_hosts(Limits(host="fe80::1")) == ["[fe80::1]"]
     assert allowed_hosts(Limits(host="::1", allowed_hosts=("a",))) == \
         ["127.0.0.1", "localhost", "[::1]", "a"]
+
+
+def test_a_request_without_a_host_is_checked_too():
+    """An HTTP/1.0 request has no Host (let through only where any Host is allowed): its
+    Origin is still checked (403), and without one it passes."""
+    from pagedkv.serve.limits import Guard
+    guard = Guard(None, Limits(host="0.0.0.0"))
+    scope = dict(type="http", method="GET", path="/v1/models", headers=[
+        (b"origin", b"http://evil.example")])
+    status, kind, message = guard.check(scope)
+    assert (status, kind) == (403, "permission_error") and "evil.example" in message
+    assert guard.check(dict(scope, headers=[])) is None
