@@ -264,3 +264,78 @@ def test_a_failed_step_cancels_its_requests_and_a_good_step_resets_the_count(eng
         assert core.totals["failed_steps"] == 4
     finally:
         engine.step = step
+
+
+def test_a_cancel_that_fails_after_a_failed_step_kills_the_engine(engine, caplog):
+    """A failed step whose cancels fail too: the requests are dropped from the core all
+    the same, the failure is logged, StepFailed carries the engine's numbers, and the
+    engine is dead (its queues are not empty)."""
+    core = EngineCore(engine)
+    step, cancel = engine.step, engine.cancel
+    engine.step = lambda: (_ for _ in ()).throw(RuntimeError("step broken"))
+    engine.cancel = lambda req: (_ for _ in ()).throw(RuntimeError("cancel broken"))
+    try:
+        core.handle(Submit(1, [5, 6], SamplingParams(max_new_tokens=5)))
+        with caplog.at_level("ERROR", logger="pagedkv.serve"):
+            failed, dead = core.step()
+        assert failed.keys == [1] and failed.stats["failed_steps"] == 1
+        assert not core.requests
+        assert "cancel after a failed step failed" in caplog.text
+        assert dead.reason.startswith("requests are left in the engine's queues (after: "
+                                      "the engine failed: RuntimeError: step broken)")
+    finally:
+        engine.step, engine.cancel = step, cancel
+        for r in list(engine.scheduler.waiting):
+            engine.cancel(r)
+    assert not engine.has_work()
+
+
+def test_a_pool_that_fails_its_audit_is_a_problem(engine, monkeypatch):
+    core = EngineCore(engine)
+    assert core.problem() is None
+
+    def audit():
+        raise AssertionError("refcounts disagree")
+    monkeypatch.setattr(engine.memory.manager, "audit", audit)
+    assert core.problem() == "the pool's audit failed: AssertionError: refcounts disagree"
+
+
+def test_a_stop_cancels_every_request(engine):
+    core = EngineCore(engine)
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True, temperature=0)
+    core.handle(Submit(1, [5, 6], params))
+    core.handle(Submit(2, [7], params))
+    core.step()
+    assert engine.memory.manager.allocator.num_used > 0
+    core.stop()
+    assert not core.requests and not engine.has_work()
+    assert engine.memory.manager.allocator.num_used == 0
+
+
+def test_the_loop_beats_while_idle_steps_while_busy_and_ends(engine):
+    """run_core: idle, it waits up to ``beat`` seconds for a command and sends a Beat;
+    busy, it takes what waits without waiting and steps; a Stop ends it (True), a dead
+    engine ends it (False)."""
+    from pagedkv.serve.core import run_core
+    from pagedkv.serve.messages import Beat, Stop, Stopped
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0)
+    script = [[], [Submit(1, [5], params)]]
+    waits, sent = [], []
+
+    def take(wait):
+        waits.append(wait)
+        return script.pop(0) if script else ([Stop()] if not engine.has_work() else [])
+    assert run_core(EngineCore(engine), take, sent.append, beat=0.5) is True
+    kinds = [type(m) for m in sent]
+    assert kinds[:3] == [Beat, Answer, Stepped] and kinds[-1] is Stopped
+    assert waits[:2] == [0.5, 0.5] and waits[2] is None
+    assert kinds.count(Stepped) == 1 + waits.count(None) and waits.count(None) >= 1
+    step = engine.step
+    engine.step = lambda: (_ for _ in ()).throw(RuntimeError("broken"))
+    script[:] = [[Submit(2, [5], params)], [Submit(3, [5], params)]]
+    sent.clear()
+    try:
+        assert run_core(EngineCore(engine), take, sent.append, beat=0.5) is False
+    finally:
+        engine.step = step
+    assert isinstance(sent[-1], Dead) and not engine.has_work()
