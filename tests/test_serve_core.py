@@ -14,8 +14,8 @@ import pytest
 from pagedkv.config import SamplingParams
 from pagedkv.serve.client import EngineClient
 from pagedkv.serve.core import EngineCore
-from pagedkv.serve.messages import Answer, Cancel, Dead, ReadPool, StepFailed, Stepped, \
-    Submit
+from pagedkv.serve.messages import Answer, Cancel, Dead, PoolRead, ReadPool, StepFailed, \
+    Stepped, Submit
 from pagedkv.serve.models import ByteTokenizer
 from pagedkv.serve.start import EngineSpec, make_engine
 from pagedkv.serve.texts import Accepted, Delta, Done, Failed, Job, Rejected
@@ -339,3 +339,62 @@ def test_the_loop_beats_while_idle_steps_while_busy_and_ends(engine):
     finally:
         engine.step = step
     assert isinstance(sent[-1], Dead) and not engine.has_work()
+
+
+def test_the_core_s_own_failures_fail_one_request_and_are_logged(engine, monkeypatch,
+                                                                  caplog):
+    """A submit that fails for a reason other than the request's is answered 500; a cancel
+    that fails drops the request all the same; a pool read that fails answers its reader
+    with the error; a step that fails is logged; each is logged by name; an unknown
+    command is a TypeError naming it."""
+    import pagedkv.serve.core as core_module
+    core = EngineCore(engine)
+    submit, cancel = engine.submit, engine.cancel
+    with caplog.at_level("ERROR", logger="pagedkv.serve"):
+        monkeypatch.setattr(engine, "submit", lambda *a: 1 / 0)
+        answer = core.handle(Submit(1, [5], SamplingParams(max_new_tokens=2)))
+        assert answer == Answer(1, 500, "the engine failed to take the request: division "
+                                        "by zero")
+        assert core.totals["rejected"] == 1 and "submit failed" in caplog.text
+        monkeypatch.setattr(engine, "submit", submit)
+        core.handle(Submit(2, [5], SamplingParams(max_new_tokens=2)))
+        monkeypatch.setattr(engine, "cancel", lambda req: 1 / 0)
+        assert core.handle(Cancel(2)) is None and not core.requests
+        assert "cancel failed" in caplog.text
+        monkeypatch.setattr(engine, "cancel", cancel)
+        engine.cancel(engine.scheduler.waiting[0])
+        monkeypatch.setattr(core_module, "pool_report", lambda *a: 1 / 0)
+        assert core.handle(ReadPool(5)) == PoolRead(5, error="ZeroDivisionError: division "
+                                                             "by zero")
+        assert "reading the pool failed" in caplog.text
+        monkeypatch.setattr(engine, "step", lambda: 1 / 0)
+        core.handle(Submit(3, [5], SamplingParams(max_new_tokens=2)))
+        core.step()
+        assert "engine step failed" in caplog.text
+    with pytest.raises(TypeError, match="got int"):
+        core.handle(7)
+
+
+def test_a_request_that_asks_for_pool_maps_gets_them(engine):
+    """``want_pool``: the answer carries the pool before the request runs (every block
+    free), a step's report the pool seen from it (its own blocks 'm'), at most every
+    ``pool_interval`` seconds; a request that does not ask gets none. The steps' time is
+    counted."""
+    core = EngineCore(engine, pool_interval=0.0)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0)
+    t = time.monotonic()
+    answer = core.handle(Submit(1, [5, 6], params, want_pool=True))
+    assert answer.pool == "." * engine.config.num_blocks
+    assert core.handle(Submit(2, [7], params)).pool is None
+    out = core.step()[0]
+    pools = {key: pool for key, _, pool, _ in out.reports}
+    assert pools[2] is None and "m" in pools[1] and set(pools[1]) <= {".", "m", "o"}
+    assert pools[1].count("m") == len(engine.memory.manager.block_table(
+        core.requests[1].req.live[0].seq_id))
+    lazy = EngineCore(engine, pool_interval=3600.0)
+    lazy.handle(Submit(3, [5], params, want_pool=True))
+    lazy._pool_sent = time.monotonic()
+    assert all(pool is None for _, _, pool, _ in lazy.step()[0].reports)
+    lazy.stop()
+    _run_out(core)
+    assert 0 < core.totals["step_seconds"] < time.monotonic() - t
