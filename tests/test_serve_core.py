@@ -218,6 +218,8 @@ def test_the_core_answers_refuses_and_cancels(engine):
               for t in ts if key == 1]
     assert len(tokens) == 5 and [k for k, *_ in out[-1].reports] == [1]
     assert out[-1].reports[0][3] is True                # its end is reported
+    assert all(ts or ended for m in out for _, updates, _, _ in m.reports
+               for _, ts, ended in updates)                # (nothing empty is sent)
     assert not core.requests and not engine.finished   # a server's list never grows
     pool = core.handle(ReadPool(7, audit=True))
     assert pool.token == 7 and pool.report["used"] == 0 and pool.report["audit"] == "ok"
@@ -398,3 +400,19 @@ def test_a_request_that_asks_for_pool_maps_gets_them(engine):
     lazy.stop()
     _run_out(core)
     assert 0 < core.totals["step_seconds"] < time.monotonic() - t
+
+
+def test_a_request_is_admitted_in_the_step_that_takes_it_from_the_queue():
+    """With one sequence at a time, the second request waits: the first step's report
+    admits the first request alone, and the second is admitted in the step that starts
+    it, after the first has ended."""
+    engine, _ = make_engine(EngineSpec.of("tiny", num_blocks=64, max_seqs=1))
+    core = EngineCore(engine)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0)
+    core.handle(Submit(1, [5], params))
+    core.handle(Submit(2, [6], params))
+    admitted = [m.admitted for m in _run_out(core)]
+    assert admitted[0] == {1: admitted[0][1]}
+    (later,) = [i for i, a in enumerate(admitted) if 2 in a]
+    assert later > 0 and list(admitted[later]) == [2]
+    assert all(not a for i, a in enumerate(admitted) if i not in (0, later))
