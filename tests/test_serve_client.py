@@ -306,3 +306,66 @@ def test_the_core_s_news_become_each_job_s_events():
         assert client.stats["failed"] == 2 and client.health() is None
     finally:
         client.stop()
+
+
+def test_dead_and_stopping_are_said_once(caplog):
+    """A second Dead changes nothing (on_dead is called once, and a failing on_dead is
+    logged); jobs ended by a death count as failed when they were running, refused when
+    not; pool reads waiting get the reason; a stop is asked once, and then health says
+    the server is shutting down."""
+    t = Silent()
+    calls = []
+
+    def on_dead(reason):
+        calls.append(reason)
+        raise RuntimeError("the supervisor's hook failed")
+    client = EngineClient(t, TOK, on_dead=on_dead).start()
+    running, r_events = _job()
+    waiting, w_events = _job()
+    client.submit(running)
+    client.submit(waiting)
+    t.receive(Answer(running.key))
+    pool = client.pool()
+    with caplog.at_level("ERROR", logger="pagedkv.serve"):
+        t.receive(Dead("first"))
+        t.receive(Dead("second"))
+    assert calls == ["first"] and client.dead == "first"
+    assert "on_dead failed" in caplog.text
+    assert r_events.events[-1] == Failed(503, "the engine is not running: first")
+    assert w_events.events[-1] == Rejected(503, "the engine is not running: first")
+    assert client.stats["failed"] == 1 and not client.jobs and client.unanswered == 0
+    with pytest.raises(RuntimeError, match="the engine is not running: first"):
+        pool.result(1)
+    client.stop()
+    t = Silent()
+    client = EngineClient(t, TOK).start()
+    job, events = _job()
+    client.submit(job)
+    t.receive(Answer(job.key))
+    client.request_stop()
+    client.request_stop()
+    assert [type(m) for m in t.sent].count(Stop) == 1
+    assert client.health() == "the server is shutting down"
+    assert events.events[-1] == Failed(503, "the server is shutting down")
+    assert client.stats["failed"] == 0          # a stop fails nobody's request
+    client.stop()
+
+
+def test_a_stall_is_said_once_and_its_end_too(caplog):
+    """The watchdog ends the jobs in flight once when the engine stalls, says so once in
+    the log, and the first word from the core ends the stall (logged too)."""
+    t = Silent()
+    client = EngineClient(t, TOK, stall_timeout=0.2).start()
+    try:
+        with caplog.at_level("WARNING", logger="pagedkv.serve"):
+            job, events = _job()
+            client.submit(job)
+            assert events.got.wait(2), "the watchdog did not answer"
+            time.sleep(0.3)                     # more looks of the watchdog
+            assert caplog.text.count("requests in flight fail") == 1
+            assert [type(m) for m in t.sent] == [Submit, Cancel]
+            t.receive(Beat({}, time.monotonic()))
+            assert "making progress again" in caplog.text
+            assert client.health() is None
+    finally:
+        client.stop()
