@@ -187,6 +187,10 @@ def engine():
     return engine
 
 
+def _logged(caplog, message: str) -> bool:
+    return message in [r.getMessage() for r in caplog.records]
+
+
 def _run_out(core, deadline: float = 10.0) -> list:
     end, out = time.monotonic() + deadline, []
     while core.busy():
@@ -195,7 +199,7 @@ def _run_out(core, deadline: float = 10.0) -> list:
     return out
 
 
-def test_the_core_answers_refuses_and_cancels(engine):
+def test_the_core_answers_refuses_and_cancels(engine, caplog):
     """A submit is answered (200) or refused: 400 with the engine's reason, 429 past
     ``max_waiting``; a cancel takes the request out and frees its blocks, a cancel of an
     unknown key changes nothing; every message about a request names its key."""
@@ -204,13 +208,16 @@ def test_the_core_answers_refuses_and_cancels(engine):
     assert core.handle(Submit(1, [5, 6], params)) == Answer(1)
     too_long = SamplingParams(max_new_tokens=2048, ignore_eos=True)
     refused = core.handle(Submit(2, [5, 6], too_long))
-    assert refused.status == 400 and "exceed" in refused.message
+    assert refused.key == 2 and refused.status == 400 and "exceed" in refused.message
+    assert core.handle(Submit(5, [5, 6], too_long)).status == 400
     assert core.handle(Submit(3, [7], params)) == Answer(3)
     full = core.handle(Submit(4, [8], params))
-    assert full.status == 429 and "at most 2" in full.message
-    assert core.totals["rejected"] == 2 and core.totals["requests"] == 2
+    assert full.key == 4 and full.status == 429 and "at most 2" in full.message
+    assert core.totals["rejected"] == 3 and core.totals["requests"] == 2
     assert core.handle(Cancel(3)) is None and 3 not in core.requests
-    assert core.handle(Cancel(99)) is None
+    with caplog.at_level("ERROR", logger="pagedkv.serve"):
+        assert core.handle(Cancel(99)) is None
+    assert not caplog.records                       # (an unknown key is no failure)
     out = _run_out(core)
     assert all(isinstance(m, Stepped) for m in out)
     assert list(out[0].admitted) == [1]
@@ -282,7 +289,7 @@ def test_a_cancel_that_fails_after_a_failed_step_kills_the_engine(engine, caplog
             failed, dead = core.step()
         assert failed.keys == [1] and failed.stats["failed_steps"] == 1
         assert not core.requests
-        assert "cancel after a failed step failed" in caplog.text
+        assert _logged(caplog, "cancel after a failed step failed")
         assert dead.reason.startswith("requests are left in the engine's queues (after: "
                                       "the engine failed: RuntimeError: step broken)")
     finally:
@@ -357,22 +364,24 @@ def test_the_core_s_own_failures_fail_one_request_and_are_logged(engine, monkeyp
         answer = core.handle(Submit(1, [5], SamplingParams(max_new_tokens=2)))
         assert answer == Answer(1, 500, "the engine failed to take the request: division "
                                         "by zero")
-        assert core.totals["rejected"] == 1 and "submit failed" in caplog.text
+        assert core.totals["rejected"] == 1 and _logged(caplog, "submit failed")
+        core.handle(Submit(9, [5], SamplingParams(max_new_tokens=2)))
+        assert core.totals["rejected"] == 2
         monkeypatch.setattr(engine, "submit", submit)
         core.handle(Submit(2, [5], SamplingParams(max_new_tokens=2)))
         monkeypatch.setattr(engine, "cancel", lambda req: 1 / 0)
         assert core.handle(Cancel(2)) is None and not core.requests
-        assert "cancel failed" in caplog.text
+        assert _logged(caplog, "cancel failed")
         monkeypatch.setattr(engine, "cancel", cancel)
         engine.cancel(engine.scheduler.waiting[0])
         monkeypatch.setattr(core_module, "pool_report", lambda *a: 1 / 0)
         assert core.handle(ReadPool(5)) == PoolRead(5, error="ZeroDivisionError: division "
                                                              "by zero")
-        assert "reading the pool failed" in caplog.text
+        assert _logged(caplog, "reading the pool failed")
         monkeypatch.setattr(engine, "step", lambda: 1 / 0)
         core.handle(Submit(3, [5], SamplingParams(max_new_tokens=2)))
         core.step()
-        assert "engine step failed" in caplog.text
+        assert _logged(caplog, "engine step failed")
     with pytest.raises(TypeError, match="got int"):
         core.handle(7)
 
@@ -389,6 +398,8 @@ def test_a_request_that_asks_for_pool_maps_gets_them(engine):
     assert answer.pool == "." * engine.config.num_blocks
     assert core.handle(Submit(2, [7], params)).pool is None
     out = core.step()[0]
+    newcomer = core.handle(Submit(4, [8], params, want_pool=True)).pool
+    assert "o" in newcomer and set(newcomer) <= {".", "o"}    # the others' blocks
     pools = {key: pool for key, _, pool, _ in out.reports}
     assert pools[2] is None and "m" in pools[1] and set(pools[1]) <= {".", "m", "o"}
     assert pools[1].count("m") == len(engine.memory.manager.block_table(
@@ -407,12 +418,42 @@ def test_a_request_is_admitted_in_the_step_that_takes_it_from_the_queue():
     admits the first request alone, and the second is admitted in the step that starts
     it, after the first has ended."""
     engine, _ = make_engine(EngineSpec.of("tiny", num_blocks=64, max_seqs=1))
-    core = EngineCore(engine)
+    core = EngineCore(engine, pool_interval=0.0)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0)
     core.handle(Submit(1, [5], params))
-    core.handle(Submit(2, [6], params))
-    admitted = [m.admitted for m in _run_out(core)]
+    core.handle(Submit(2, [6], params, want_pool=True))
+    steps = _run_out(core)
+    admitted = [m.admitted for m in steps]
     assert admitted[0] == {1: admitted[0][1]}
     (later,) = [i for i, a in enumerate(admitted) if 2 in a]
     assert later > 0 and list(admitted[later]) == [2]
     assert all(not a for i, a in enumerate(admitted) if i not in (0, later))
+    for m in steps[:later]:         # 2 waits: reported for its maps alone
+        (news,) = [(updates, pool) for key, updates, pool, _ in m.reports if key == 2]
+        assert news[0] == [] and news[1] is not None
+    core.handle(Submit(3, [5], params))
+    core.handle(Submit(4, [6], params))
+    steps = _run_out(core)
+    assert all(4 not in [key for key, *_ in m.reports] for m in steps[:2])
+    assert any(4 in [key for key, *_ in m.reports] for m in steps)
+
+
+def test_news_are_each_sequence_s_new_tokens_and_its_end_once():
+    """What a step reports of a request: for each sequence, by id, the tokens not sent
+    yet and whether it ended; an ended sequence once, nothing for one with nothing new."""
+    from types import SimpleNamespace as NS
+
+    from pagedkv.serve.core import _Running
+    core = EngineCore(NS(finished=[]))
+    s0, s1, s2 = (NS(seq_id=i, generated=[]) for i in range(3))
+    req = NS(live=[s2, s1], finished=[s0])
+    r = _Running(req, False)
+    s0.generated, s1.generated = [7, 8], [9]
+    assert core._news(r) == [(0, [7, 8], True), (1, [9], False)]
+    s1.generated += [10]
+    req.live, req.finished = [s2], [s0, s1]
+    assert core._news(r) == [(1, [10], True)]
+    s2.generated += [11]
+    assert core._news(r) == [(2, [11], False)]
+    assert core._news(r) == []
+    assert core.totals["generated_tokens"] == 5
