@@ -369,3 +369,41 @@ def test_a_stall_is_said_once_and_its_end_too(caplog):
             assert client.health() is None
     finally:
         client.stop()
+
+
+def test_pool_maps_and_failures_reach_their_jobs(caplog):
+    """A pool map in an answer or a step's report becomes the job's PoolMap event (none
+    without one); a failed step's numbers replace the client's, and a failed step
+    naming a job that has gone is ignored; failures are logged naming the job or the
+    engine's reason."""
+    from pagedkv.serve.messages import StepFailed
+    from pagedkv.serve.texts import PoolMap
+    t = Silent()
+    client = EngineClient(t, TOK, on_dead=lambda reason: 1 / 0).start()
+    try:
+        mapped, m_events = _job()
+        plain, p_events = _job()
+        for job in (mapped, plain):
+            client.submit(job)
+        t.receive(Answer(mapped.key, pool="..mm"))
+        t.receive(Answer(plain.key))
+        assert m_events.events == [Accepted("..mm"), PoolMap("..mm")]
+        assert p_events.events == [Accepted(None)]
+        a = TOK.encode_text("a")[0]
+        t.receive(Stepped([(mapped.key, [(0, [a], False)], ".mmm", False),
+                           (plain.key, [(0, [a], False)], None, False)], {}, {},
+                          time.monotonic()))
+        assert m_events.events[2] == PoolMap(".mmm")
+        assert not any(isinstance(e, PoolMap) for e in p_events.events)
+        t.receive(StepFailed([99, plain.key], "boom", {"failed_steps": 1}))
+        assert client.core_stats == {"failed_steps": 1}
+        client.texts.tokenizer = None
+        with caplog.at_level("ERROR", logger="pagedkv.serve"):
+            t.receive(Stepped([(mapped.key, [(1, [a], False)], None, False)], {}, {},
+                              time.monotonic()))
+            t.receive(Dead("gone"))
+        messages = [r.getMessage() for r in caplog.records]
+        assert f"request {mapped.key} failed" in messages
+        assert "the engine is dead: gone" in messages and "on_dead failed" in messages
+    finally:
+        client.stop()
