@@ -122,6 +122,13 @@ def test_too_many_unanswered_are_refused_at_once():
             assert client.submit(_job()[0]) is None
         refused = client.submit(_job()[0])
         assert refused.status == 503 and "at most 2: --max-waiting" in refused.message
+        client.submit(_job()[0])
+        assert client.stats["rejected"] == 2
+        job, _ = _job()
+        job.want_pool = True
+        t.receive(Answer(t.sent[0].key))
+        client.submit(job)
+        assert t.sent[-1] == Submit(job.key, job.prompt, job.params, True)
     finally:
         client.stop()
 
@@ -365,8 +372,14 @@ def test_a_stall_is_said_once_and_its_end_too(caplog):
             assert caplog.text.count("requests in flight fail") == 1
             assert [type(m) for m in t.sent] == [Submit, Cancel]
             t.receive(Beat({}, time.monotonic()))
-            assert "making progress again" in caplog.text
+            assert "the engine is making progress again" in \
+                [r.getMessage() for r in caplog.records]
             assert client.health() is None
+            again, events = _job()
+            client.submit(again)                # a second stall is said again
+            assert events.got.wait(2), "the watchdog did not answer the second stall"
+            time.sleep(0.1)
+            assert caplog.text.count("requests in flight fail") == 2
     finally:
         client.stop()
 
