@@ -286,7 +286,16 @@ CORE_EQUIVALENT = {
 EQUIVALENT.update({f"pagedkv.serve.core.{k}": v for k, v in CORE_EQUIVALENT.items()})
 OWN_CLOCK = ("timings(job) without a time reads the clock itself, microseconds after the "
              "message was heard: the same timings to the millisecond they are given in")
+NOTHING_TO_END = ("while the engine is stalled, submit and pool refuse at once, so once the "
+                  "watchdog has ended them no job or pool read is left: ending them all "
+                  "again, where the original skips it, ends nothing")
 CLIENT_EQUIVALENT = {
+    'xǁEngineClientǁ_watch__mutmut_11': ("(self._stalled and self.jobs and not self.pools)",
+                                        NOTHING_TO_END),
+    'xǁEngineClientǁ_watch__mutmut_12': ("(self._stalled and not self.jobs and self.pools)",
+                                        NOTHING_TO_END),
+    'xǁEngineClientǁhealth__mutmut_6': ("if silent >= self.stall_timeout:",
+        "a silence measured by time.monotonic() is never exactly stall_timeout"),
     'xǁEngineClientǁreceive__mutmut_2': ("self._stalled = None", "None is false, as False is"),
     'xǁEngineClientǁ_report__mutmut_31': ("timings(job, None)", OWN_CLOCK),
     'xǁEngineClientǁ_report__mutmut_33': ("timings(job, )", OWN_CLOCK),

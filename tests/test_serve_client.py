@@ -316,6 +316,7 @@ def test_the_core_s_news_become_each_job_s_events():
 
 
 def test_dead_and_stopping_are_said_once(caplog):
+    caplog.set_level("ERROR", logger="pagedkv.serve")
     """A second Dead changes nothing (on_dead is called once, and a failing on_dead is
     logged); jobs ended by a death count as failed when they were running, refused when
     not; pool reads waiting get the reason; a stop is asked once, and then health says
@@ -343,6 +344,9 @@ def test_dead_and_stopping_are_said_once(caplog):
     assert client.stats["failed"] == 1 and not client.jobs and client.unanswered == 0
     with pytest.raises(RuntimeError, match="the engine is not running: first"):
         pool.result(1)
+    assert not any(isinstance(m, Cancel) for m in t.sent)     # (nobody to tell)
+    time.sleep(0.3)                                 # the watchdog looks on: says nothing
+    assert "in flight fail" not in caplog.text
     client.stop()
     t = Silent()
     client = EngineClient(t, TOK).start()
@@ -351,7 +355,9 @@ def test_dead_and_stopping_are_said_once(caplog):
     t.receive(Answer(job.key))
     client.request_stop()
     client.request_stop()
-    assert [type(m) for m in t.sent].count(Stop) == 1
+    assert [type(m) for m in t.sent] == [Submit, Stop]
+    time.sleep(0.3)
+    assert "in flight fail" not in caplog.text
     assert client.health() == "the server is shutting down"
     assert events.events[-1] == Failed(503, "the server is shutting down")
     assert client.stats["failed"] == 0          # a stop fails nobody's request
@@ -370,6 +376,9 @@ def test_a_stall_is_said_once_and_its_end_too(caplog):
             assert events.got.wait(2), "the watchdog did not answer"
             time.sleep(0.3)                     # more looks of the watchdog
             assert caplog.text.count("requests in flight fail") == 1
+            (said,) = [r.getMessage() for r in caplog.records if "flight" in r.getMessage()]
+            assert said.startswith("the engine has made no progress for ")
+            assert said.endswith(" s (--stall-timeout 0.2): 1 requests in flight fail")
             assert [type(m) for m in t.sent] == [Submit, Cancel]
             t.receive(Beat({}, time.monotonic()))
             assert "the engine is making progress again" in \
@@ -420,3 +429,19 @@ def test_pool_maps_and_failures_reach_their_jobs(caplog):
         assert "the engine is dead: gone" in messages and "on_dead failed" in messages
     finally:
         client.stop()
+
+
+def test_an_idle_engine_that_stalls_is_said_once(caplog):
+    """With nothing in flight, a stall is still logged, once."""
+    t = Silent()
+    with caplog.at_level("ERROR", logger="pagedkv.serve"):
+        client = EngineClient(t, TOK, stall_timeout=0.2).start()
+        try:
+            end = time.monotonic() + 2
+            while "in flight fail" not in caplog.text:
+                assert time.monotonic() < end, "the stall was not logged"
+                time.sleep(0.02)
+            time.sleep(0.3)
+            assert caplog.text.count("0 requests in flight fail") == 1
+        finally:
+            client.stop()
