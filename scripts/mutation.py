@@ -280,6 +280,8 @@ CORE_EQUIVALENT = {
         "says so), so there is nothing to forget"),
     'xǁEngineCoreǁstep__mutmut_52': ("self.stats(), None)]",
         "a Stepped's time is read by nobody: the client keeps the time it heard it"),
+    'xǁEngineCoreǁ_news__mutmut_29': ("r.sent[seq.seq_id] = -2 if ended else len(gen)",
+        "any negative mark means 'its end was reported' (seen < 0): -2 reads as -1 does"),
     'x_run_core__mutmut_15': ("put(Beat(core.stats(), None))",
         "a Beat's time is read by nobody: the client keeps the time it heard the beat"),
 }
