@@ -445,3 +445,24 @@ def test_an_idle_engine_that_stalls_is_said_once(caplog):
             assert caplog.text.count("0 requests in flight fail") == 1
         finally:
             client.stop()
+
+
+def test_a_failure_after_a_job_ended_fails_it_once(monkeypatch):
+    """Making a job's timings fails after the job has left the client: it gets one 500
+    error, and the client serves on."""
+    import pagedkv.serve.client as client_module
+    t = Silent()
+    client = EngineClient(t, TOK).start()
+    try:
+        job, events = _job(1)
+        client.submit(job)
+        t.receive(Answer(job.key))
+        monkeypatch.setattr(client_module, "timings", lambda *a: 1 / 0)
+        a = TOK.encode_text("a")[0]
+        t.receive(Stepped([(job.key, [(0, [a], True)], None, True)], {}, {},
+                          time.monotonic()))
+        assert events.events[-1] == Failed(500, "the server failed on this request: "
+                                                "division by zero")
+        assert not client.jobs and client.health() is None
+    finally:
+        client.stop()
