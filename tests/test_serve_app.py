@@ -265,6 +265,8 @@ def test_the_content_type_and_origin_checks():
 
 
 def test_which_names_are_loopback():
+    """Loopback addresses and 'localhost' are loopback; an IPv6 address is named in
+    brackets; every address (0.0.0.0, '::' or '') answers to any Host."""
     from pagedkv.serve.limits import allowed_hosts, is_loopback
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("10.0.0.5") and not is_loopback("example.com")

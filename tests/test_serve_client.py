@@ -115,6 +115,8 @@ def test_a_cancel_before_the_answer_is_not_lost():
 
 
 def test_too_many_unanswered_are_refused_at_once():
+    """Past max_waiting unanswered submits a new one is refused at once (503), and each
+    refusal is counted; a submit carries the job's want_pool."""
     t = Silent()
     client = EngineClient(t, TOK, max_waiting=2, stall_timeout=30).start()
     try:
@@ -316,11 +318,11 @@ def test_the_core_s_news_become_each_job_s_events():
 
 
 def test_dead_and_stopping_are_said_once(caplog):
-    caplog.set_level("ERROR", logger="pagedkv.serve")
     """A second Dead changes nothing (on_dead is called once, and a failing on_dead is
     logged); jobs ended by a death count as failed when they were running, refused when
     not; pool reads waiting get the reason; a stop is asked once, and then health says
-    the server is shutting down."""
+    the server is shutting down; the watchdog takes neither for a stall."""
+    caplog.set_level("ERROR", logger="pagedkv.serve")
     t = Silent()
     calls = []
 

@@ -300,6 +300,8 @@ def test_a_cancel_that_fails_after_a_failed_step_kills_the_engine(engine, caplog
 
 
 def test_a_pool_that_fails_its_audit_is_a_problem(engine, monkeypatch):
+    """After a failed step, a pool whose audit fails is a reason the engine is dead,
+    and the reason names the audit's error."""
     core = EngineCore(engine)
     assert core.problem() is None
 
@@ -310,6 +312,7 @@ def test_a_pool_that_fails_its_audit_is_a_problem(engine, monkeypatch):
 
 
 def test_a_stop_cancels_every_request(engine):
+    """A stop takes every request out of the engine and frees its blocks."""
     core = EngineCore(engine)
     params = SamplingParams(max_new_tokens=50, ignore_eos=True, temperature=0)
     core.handle(Submit(1, [5, 6], params))

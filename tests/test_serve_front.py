@@ -223,6 +223,7 @@ def test_a_client_gone_mid_body_is_answered_nothing(caplog):
 
 
 def test_the_open_files_limit_is_raised_to_the_hard_limit():
+    """The soft limit of open files is raised to the hard one, and the limit returned."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
