@@ -1,6 +1,7 @@
-"""The mutation score of the engine's core, kept by mutmut (issue 44).
+"""The mutation score of the engine's core and the server's, kept by mutmut (issue 44).
 
-    python scripts/mutation.py [scheduler engine memory sampler] [--max-children N]
+    python scripts/mutation.py [scheduler engine memory sampler limits core client]
+        [--max-children N]
 
 For each module: a scratch copy of the working tree's package and tests (under
 ``--work``, by default ``/tmp/pagedkv-mutation``), a ``setup.cfg`` that tells mutmut to
@@ -76,6 +77,44 @@ TARGETS = {
             "GPU branches of its callers, run on a CPU against a stand-in for CuPy and the "
             "kernel: every function but the kernel's launchers (_kernel, _smem_limit, "
             "_params, _launch), which need a GPU"),
+    "limits": Target(
+        "pagedkv/serve/limits.py",
+        ["tests/test_serve_front.py", "tests/test_serve_app.py"],
+        functions=["read_body", "_too_large", "protocol_class", "allowed_hosts",
+                   "is_loopback", "Guard.check", "Guard._needs_key"],
+        why="the server's front door, its logic: the body's size and time limits, the "
+            "deadline on a request's head, the Host names, and the Origin, key and "
+            "Content-Type checks. Left out for time (most tests here start a server, about 3 "
+            "s a mutant on this machine): front_door, Guard.__call__ and PlainErrors, which wire "
+            "Starlette's middlewares and reword their refusals, and "
+            "raise_open_files_limit. Run on an in-process uvicorn server and the "
+            "in-process application: the real-server tests of test_serve_limits.py run the "
+            "module in a child process, where mutmut cannot see it"),
+    "core": Target(
+        "pagedkv/serve/core.py",
+        ["tests/test_serve_core.py", "tests/test_serve_client.py", "-k", "not process"],
+        functions=[f"EngineCore.{f}" for f in (
+            "busy", "handle", "submit", "cancel", "stop", "step", "_failed", "_admitted",
+            "_news", "problem", "_forget")] + ["run_core"],
+        why="the engine's core, the successor of serve/engine_process.py that issue 44 "
+            "names (split since into core.py, the loop and its failure rules, the same "
+            "in the engine's process and on its thread; client.py; and transport.py, "
+            "which only carries messages): submits, refusals, cancels, steps, failed "
+            "steps and when the engine is dead. Left out for time: __init__, _owners and "
+            "stats (the pool maps' owners and the numbers for /metrics). The tests run on "
+            "the thread transport (-k 'not process'): in a child process mutmut cannot see "
+            "the core"),
+    "client": Target(
+        "pagedkv/serve/client.py",
+        ["tests/test_serve_client.py", "tests/test_serve_core.py",
+         "tests/test_serve_app.py", "-k", "not process"],
+        functions=[f"EngineClient.{f}" for f in (
+            "submit", "cancel", "health", "request_stop", "receive", "_answer", "_steps",
+            "_report", "_step_failed", "_dead", "_end_all", "_watch")],
+        why="the engine's client, the HTTP side of the old serve/engine_process.py: "
+            "submits and cancels in order, the watchdog, a dead or stopping engine. Left "
+            "out for time: __init__, start and stop (set-up), pool and _pool_read (GET "
+            "/pool's plumbing), stats and _beat (numbers for /metrics)"),
 }
 
 # Survivors judged equivalent (or out of the module's reach), by mutant name, with a piece
@@ -148,9 +187,85 @@ EQUIVALENT: dict = {
     'pagedkv.kernels.sampling.x__per_row__mutmut_37': ('a = np.broadcast_to(h.astype(np.uint64) if name in _INTEGERS[1:] else h, (rows,))', "seeds and counters are checked to lie in [0, 2**64) first, and uniforms casts them to uint64 itself: the same numbers either way"),
 }
 
+LATIN_1 = "Python's codec names ignore case: 'LATIN-1' is 'latin-1'"
+LIMITS_EQUIVALENT = {
+    'x_read_body__mutmut_4': ('request.headers.get("CONTENT-LENGTH")',
+                              "Starlette's request headers are looked up ignoring case"),
+    'x_protocol_class__mutmut_18': ("if self.deadline is None:",
+        "a deadline left armed on a lost connection fires later and does nothing (it "
+        "closes only a transport that is not closing already)"),
+    'x_protocol_class__mutmut_19': ("super().connection_lost(None)",
+        "uvicorn's connection_lost reads exc only to close a transport that a clean EOF "
+        "left open; closing one that is lost already does nothing"),
+    'xǁGuardǁcheck__mutmut_5': ('k.decode("LATIN-1")', LATIN_1),
+    'xǁGuardǁcheck__mutmut_16': ('origin.decode("LATIN-1")', LATIN_1),
+    'xǁGuardǁcheck__mutmut_30': ('.decode("LATIN-1")', LATIN_1),
+    'xǁGuardǁcheck__mutmut_87': ('.decode("LATIN-1")', LATIN_1),
+    'xǁGuardǁcheck__mutmut_28': ('headers.get("host", b"XXXX")',
+        "differs only for a request with no Host (HTTP/1.0, let through only where any "
+        "Host is allowed) whose Origin is 'http://' or 'http://XXXX', neither of them a "
+        "page's origin"),
+    'xǁGuardǁcheck__mutmut_58': ('headers.get("authorization", b"XXXX")',
+        "a request without the header is compared with b'XXXX' instead of b'': "
+        "neither is 'Bearer KEY', so both are refused"),
+}
+EQUIVALENT.update({f"pagedkv.serve.limits.{k}": v for k, v in LIMITS_EQUIVALENT.items()})
+FOR_NOBODY = ("the owners are computed where no map is made of them: the reports carry maps "
+              "only for requests that ask, at most every pool_interval (a cost, not an answer)")
+POPPED = ("EngineCore.cancel takes the request out of requests before the engine's cancel "
+          "can fail: this second pop finds nothing, whatever key it is given")
+CORE_EQUIVALENT = {
+    'xǁEngineCoreǁstep__mutmut_21': ("now - self._pool_sent >= self.pool_interval or",
+                                     FOR_NOBODY),
+    'xǁEngineCoreǁstep__mutmut_27': ("if (pools) or True else {}", FOR_NOBODY),
+    'xǁEngineCoreǁstep__mutmut_23': ("now - self._pool_sent > self.pool_interval",
+        "_pool_sent is a time.monotonic() of an earlier step: the gap is never exactly "
+        "pool_interval, so > and >= decide alike"),
+    'xǁEngineCoreǁ_news__mutmut_9': ("key=lambda s: None",
+        "only the order of one request's updates within a step changes (live before "
+        "finished); the client files each update under its sequence id"),
+    'xǁEngineCoreǁ_failed__mutmut_15': ("self.requests.pop(None, None)", POPPED),
+    'xǁEngineCoreǁhandle__mutmut_6': ("self.requests.pop(None, None)", POPPED),
+    'xǁEngineCoreǁcancel__mutmut_8': ("self._forget(None)",
+        "Engine.cancel never puts a request in the engine's finished list (its docstring "
+        "says so), so there is nothing to forget"),
+    'xǁEngineCoreǁstep__mutmut_52': ("self.stats(), None)]",
+        "a Stepped's time is read by nobody: the client keeps the time it heard it"),
+    'xǁEngineCoreǁ_news__mutmut_29': ("r.sent[seq.seq_id] = -2 if ended else len(gen)",
+        "any negative mark means 'its end was reported' (seen < 0): -2 reads as -1 does"),
+    'x_run_core__mutmut_15': ("put(Beat(core.stats(), None))",
+        "a Beat's time is read by nobody: the client keeps the time it heard the beat"),
+}
+EQUIVALENT.update({f"pagedkv.serve.core.{k}": v for k, v in CORE_EQUIVALENT.items()})
+OWN_CLOCK = ("timings(job) without a time reads the clock itself, microseconds after the "
+             "message was heard: the same timings to the millisecond they are given in")
+NOTHING_TO_END = ("while the engine is stalled, submit and pool refuse at once, so once the "
+                  "watchdog has ended them no job or pool read is left: ending them all "
+                  "again, where the original skips it, ends nothing")
+CLIENT_EQUIVALENT = {
+    'xǁEngineClientǁ_watch__mutmut_11': ("(self._stalled and self.jobs and not self.pools)",
+                                        NOTHING_TO_END),
+    'xǁEngineClientǁ_watch__mutmut_12': ("(self._stalled and not self.jobs and self.pools)",
+                                        NOTHING_TO_END),
+    'xǁEngineClientǁhealth__mutmut_6': ("if silent >= self.stall_timeout:",
+        "a silence measured by time.monotonic() is never exactly stall_timeout"),
+    'xǁEngineClientǁreceive__mutmut_2': ("self._stalled = None", "None is false, as False is"),
+    'xǁEngineClientǁ_report__mutmut_31': ("timings(job, None)", OWN_CLOCK),
+    'xǁEngineClientǁ_report__mutmut_33': ("timings(job, )", OWN_CLOCK),
+}
+EQUIVALENT.update({f"pagedkv.serve.client.{k}": v for k, v in CLIENT_EQUIVALENT.items()})
+
 
 def mutant_module(path: str) -> str:
     return path[:-3].replace("/", ".")
+
+
+def mutant_pattern(module: str, function: str) -> str:
+    """mutmut's names for the mutants of a function, or of a method ("Class.method")."""
+    if "." in function:
+        cls, method = function.split(".")
+        return f"{module}.x\u01c1{cls}\u01c1{method}__mutmut_*"
+    return f"{module}.x_{function}__mutmut_*"
 
 
 def copy_tree(dest: Path) -> None:
@@ -178,7 +293,7 @@ def setup_cfg(t: Target) -> str:
 def results(here: Path, mutmut: str, env: dict, t: Target) -> dict:
     """Mutant name -> status, for the target's mutants, from the last run in ``here``."""
     module = mutant_module(t.path)
-    patterns = [f"{module}.x_{f}__mutmut_*" for f in t.functions]
+    patterns = [mutant_pattern(module, f) for f in t.functions]
     out = subprocess.run([mutmut, "results", "--all", "true"], cwd=here, env=env,
                          check=True, capture_output=True, text=True).stdout
     status = {}
@@ -211,7 +326,7 @@ def run_target(name: str, t: Target, work: Path, mutmut: str, children: int,
     else:
         copy_tree(here)
         (here / "setup.cfg").write_text(setup_cfg(t))
-        names = [f"{module}.x_{f}__mutmut_*" for f in t.functions]
+        names = [mutant_pattern(module, f) for f in t.functions]
         previous = []
     start = time.monotonic()
     if names or not again:
@@ -305,7 +420,7 @@ def write_report(sections: dict, header: str) -> None:
     REPORT.write_text(header + "\n".join(summary) + "\n\n" + "\n".join(body))
 
 
-HEADER = """# Mutation score of the engine's core (issue 44)
+HEADER = """# Mutation score of the engine's core and the server's (issue 44)
 
 Written by `scripts/mutation.py` (mutmut {version}; see the script's text for how to
 install it). A mutant is *killed* when one of the module's own test files fails on it;

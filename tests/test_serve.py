@@ -149,6 +149,24 @@ def test_completions_and_token_prompts(client, oracle):
     assert streamed == text
 
 
+def test_min_tokens_equal_to_max_tokens_and_a_full_context(client, server):
+    """Over HTTP: ``min_tokens == max_tokens`` is answered with every token; a prompt and
+    max_tokens that fill the context exactly are answered in full; one token more is
+    refused (400, context_length_exceeded) and the engine is left unchanged."""
+    r = client.completions.create(model=MODEL, prompt="a", max_tokens=8, temperature=0,
+                                  extra_body={"min_tokens": 8})
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    ids = [5] * 2040
+    r = httpx.post(server.base_url + "/completions", timeout=TIMEOUT, json=dict(
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0, ignore_eos=True))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == dict(prompt_tokens=2040, completion_tokens=8,
+                                     total_tokens=2048)
+    r = httpx.post(server.base_url + "/completions", timeout=TIMEOUT, json=dict(
+        model=MODEL, prompt=ids, max_tokens=9, temperature=0, ignore_eos=True))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_n_seed_top_p(client):
     """n samples, reproducible with a seed; another seed gives other samples."""
     kw = dict(model=MODEL, prompt="abc", max_tokens=12, temperature=1.0, top_p=0.9, n=3)

@@ -6,57 +6,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import queue
-import threading
 import time
 
 import httpx
 import pytest
 
-from pagedkv.config import EngineConfig
 from pagedkv.serve.app import create_app
 from pagedkv.serve.client import EngineClient
 from pagedkv.serve.limits import PAGE_HEADERS, Limits
-from pagedkv.serve.messages import Answer, Ready, Stepped, Submit
 from pagedkv.serve.models import ByteTokenizer, Served
+
+from _serving import Instant
 
 MODEL = "tiny-random-llama"
 TOK = ByteTokenizer()
-
-
-STATS = dict(pool=dict(total=8, used=0, free=8, cached=0), running=0, waiting=0,
-             swapped=0, prompt_tokens_prefilled=0, prompt_tokens_cached=0,
-             drafted_tokens=0, accepted_tokens=0, requests=0,
-             rejected=0, prompt_tokens=0, generated_tokens=0, steps=0, failed_steps=0,
-             step_seconds=0.0)
-
-
-class Instant:
-    """A core on a thread that answers every request at once: its answer is the prompt
-    again, one token a step (each step its own message, as a real core sends them)."""
-
-    def start(self, receive):
-        self.inbox = queue.SimpleQueue()
-        threading.Thread(target=self._run, args=(receive,), daemon=True).start()
-        return Ready(EngineConfig(num_blocks=8, stop_ids=(0,)), {}, STATS)
-
-    def _run(self, receive):
-        while (m := self.inbox.get()) is not None:
-            if not isinstance(m, Submit):
-                continue
-            receive(Answer(m.key))
-            tokens = (m.prompt * m.params.max_new_tokens)[:m.params.max_new_tokens]
-            for i, t in enumerate(tokens):
-                last = i == len(tokens) - 1
-                receive(Stepped([(m.key, [(0, [t], last)], None, last)],
-                                {m.key: time.monotonic()} if i == 0 else {}, STATS,
-                                time.monotonic()))
-
-    def send(self, m):
-        self.inbox.put(m)
-
-    def stop(self, timeout=1.0):
-        self.inbox.put(None)
 
 
 class SlowTokenizer(ByteTokenizer):
@@ -168,6 +131,7 @@ def test_the_api_key():
                 assert r.status_code == 401, r.text
                 err = r.json()["error"]
                 assert words in err["message"] and err["code"] == "invalid_api_key"
+                assert err["type"] == "invalid_request_error"
         ok = {"Authorization": "Bearer s3cret"}
         assert _call(app, "GET", "/v1/models", headers=ok).status_code == 200
         r = _call(app, "POST", "/v1/completions", json=_body(stream=False), headers=ok)
@@ -257,3 +221,68 @@ def test_a_non_loopback_bind_is_warned_about(caplog):
         _warn_if_exposed(Limits(host="0.0.0.0", api_key="k", allowed_hosts=("h",)))
         (record,) = caplog.records
         assert "--api-key" not in record.message and "rebound" not in record.message
+
+
+def test_the_content_type_and_origin_checks():
+    """A POST body must be application/json (parameters and case aside): 415 otherwise,
+    naming what came; a page of this server's own origin may post, another site's gets
+    403 unless --allow-origin names it or is '*'."""
+    app, client = _app()
+    try:
+        body = json.dumps(_body(stream=False)).encode()
+        for kind in ("application/json", "application/json; charset=utf-8",
+                     " Application/JSON "):
+            r = _call(app, "POST", "/v1/completions", content=body,
+                      headers={"Content-Type": kind})
+            assert r.status_code == 200, (kind, r.text)
+        for headers, words in (({"Content-Type": "text/plain"}, "got 'text/plain'"),
+                               ({}, "got no Content-Type")):
+            r = _call(app, "POST", "/v1/completions", content=body, headers=headers)
+            assert r.status_code == 415, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            assert r.json()["error"]["message"] == \
+                f"a request body must be application/json, {words}"
+        own = {"Origin": "http://127.0.0.1", "Content-Type": "application/json"}
+        assert _call(app, "POST", "/v1/completions", content=body,
+                     headers=own).status_code == 200
+        other = dict(own, Origin="http://127.0.0.1:9")
+        r = _call(app, "GET", "/v1/models", headers=other)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        assert r.json()["error"]["message"] == (
+            "Origin 'http://127.0.0.1:9' may not use this server (its own pages may; "
+            "others need --allow-origin)")
+    finally:
+        client.stop()
+    for origins in (("*",), ("http://127.0.0.1:9",)):
+        app, client = _app(Limits(allow_origins=origins))
+        try:
+            r = _call(app, "GET", "/v1/models", headers={"Origin": "http://127.0.0.1:9"})
+            assert r.status_code == 200, (origins, r.text)
+            r = _call(app, "GET", "/v1/models", headers={"Origin": "http://other:1"})
+            assert r.status_code == (200 if origins == ("*",) else 403), origins
+        finally:
+            client.stop()
+
+
+def test_which_names_are_loopback():
+    """Loopback addresses and 'localhost' are loopback; an IPv6 address is named in
+    brackets; every address (0.0.0.0, '::' or '') answers to any Host."""
+    from pagedkv.serve.limits import allowed_hosts, is_loopback
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.5") and not is_loopback("example.com")
+    assert allowed_hosts(Limits(host="::")) == allowed_hosts(Limits(host="")) == ["*"]
+    assert allowed_hosts(Limits(host="fe80::1")) == ["[fe80::1]"]
+    assert allowed_hosts(Limits(host="::1", allowed_hosts=("a",))) == \
+        ["127.0.0.1", "localhost", "[::1]", "a"]
+
+
+def test_a_request_without_a_host_is_checked_too():
+    """An HTTP/1.0 request has no Host (let through only where any Host is allowed): its
+    Origin is still checked (403), and without one it passes."""
+    from pagedkv.serve.limits import Guard
+    guard = Guard(None, Limits(host="0.0.0.0"))
+    scope = dict(type="http", method="GET", path="/v1/models", headers=[
+        (b"origin", b"http://evil.example")])
+    status, kind, message = guard.check(scope)
+    assert (status, kind) == (403, "permission_error") and "evil.example" in message
+    assert guard.check(dict(scope, headers=[])) is None

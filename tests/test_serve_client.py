@@ -115,6 +115,8 @@ def test_a_cancel_before_the_answer_is_not_lost():
 
 
 def test_too_many_unanswered_are_refused_at_once():
+    """Past max_waiting unanswered submits a new one is refused at once (503), and each
+    refusal is counted; a submit carries the job's want_pool."""
     t = Silent()
     client = EngineClient(t, TOK, max_waiting=2, stall_timeout=30).start()
     try:
@@ -122,6 +124,13 @@ def test_too_many_unanswered_are_refused_at_once():
             assert client.submit(_job()[0]) is None
         refused = client.submit(_job()[0])
         assert refused.status == 503 and "at most 2: --max-waiting" in refused.message
+        client.submit(_job()[0])
+        assert client.stats["rejected"] == 2
+        job, _ = _job()
+        job.want_pool = True
+        t.receive(Answer(t.sent[0].key))
+        client.submit(job)
+        assert t.sent[-1] == Submit(job.key, job.prompt, job.params, True)
     finally:
         client.stop()
 
@@ -253,3 +262,209 @@ def test_the_engine_spec_leaves_the_machines_choices_to_where_the_model_runs():
         EngineSpec.of("gpt-4")
     with pytest.raises(ConfigError, match="block_size"):
         EngineSpec.of("tiny", block_size=0)
+
+
+def test_the_core_s_news_become_each_job_s_events():
+    """Over a silent transport the test speaks for the core: a refusal ends its job
+    (Rejected, no longer waiting); an accepted job gets its deltas and Done; a stop
+    string ends a job before its sequence does, and its cancel is sent; a failed step
+    fails the jobs in it (500) and only those; text that cannot be made fails its job
+    (500) and cancels it; a word after a stall ends the stall."""
+    from pagedkv.serve.messages import StepFailed
+    t = Silent()
+    client = EngineClient(t, TOK, stall_timeout=30).start()
+    try:
+        refused, r_events = _job()
+        client.submit(refused)
+        assert client.unanswered == 1
+        t.receive(Answer(refused.key, 429, "too many"))
+        assert r_events.events == [Rejected(429, "too many")]
+        assert client.unanswered == 0 and refused.key not in client.jobs
+        whole, w_events = _job(2)
+        stopped, s_events = _job(8, stop=("c",))
+        failing, f_events = _job()
+        other, o_events = _job()
+        for job in (whole, stopped, failing, other):
+            client.submit(job)
+            t.receive(Answer(job.key))
+            assert job.accepted
+        assert client.unanswered == 0
+        a, b, c = TOK.encode_text("abc")
+        t.receive(Stepped([(whole.key, [(0, [a, b], True)], None, True),
+                           (stopped.key, [(0, [a, b, c], False)], None, False)],
+                          {whole.key: 1.0}, {"steps": 7}, time.monotonic()))
+        assert client.core_stats == {"steps": 7} and whole.admitted == 1.0
+        assert "".join(e.text for e in w_events.events if isinstance(e, Delta)) == "ab"
+        assert isinstance(w_events.events[-1], Done)
+        assert "".join(e.text for e in s_events.events if isinstance(e, Delta)) == "ab"
+        assert s_events.events[-2].finish_reason == "stop"
+        assert isinstance(s_events.events[-1], Done)
+        assert Cancel(stopped.key) in t.sent and Cancel(whole.key) not in t.sent
+        assert client.stats["finished"] == 2 and set(client.jobs) == {failing.key,
+                                                                      other.key}
+        t.receive(StepFailed([failing.key], "the engine failed: boom", {"steps": 8}))
+        assert f_events.events[-1] == Failed(500, "the engine failed: boom")
+        assert client.stats["failed"] == 1 and set(client.jobs) == {other.key}
+        assert not any(isinstance(e, Failed) for e in o_events.events)
+        client.texts.tokenizer = None               # decoding now fails
+        t.receive(Stepped([(other.key, [(0, [a], False)], None, False)], {}, {},
+                          time.monotonic()))
+        assert o_events.events[-1].status == 500
+        assert "the server failed on this request" in o_events.events[-1].message
+        assert Cancel(other.key) in t.sent and not client.jobs
+        assert client.stats["failed"] == 2 and client.health() is None
+    finally:
+        client.stop()
+
+
+def test_dead_and_stopping_are_said_once(caplog):
+    """A second Dead changes nothing (on_dead is called once, and a failing on_dead is
+    logged); jobs ended by a death count as failed when they were running, refused when
+    not; pool reads waiting get the reason; a stop is asked once, and then health says
+    the server is shutting down; the watchdog takes neither for a stall."""
+    caplog.set_level("ERROR", logger="pagedkv.serve")
+    t = Silent()
+    calls = []
+
+    def on_dead(reason):
+        calls.append(reason)
+        raise RuntimeError("the supervisor's hook failed")
+    client = EngineClient(t, TOK, on_dead=on_dead).start()
+    running, r_events = _job()
+    waiting, w_events = _job()
+    client.submit(running)
+    client.submit(waiting)
+    t.receive(Answer(running.key))
+    pool = client.pool()
+    with caplog.at_level("ERROR", logger="pagedkv.serve"):
+        t.receive(Dead("first"))
+        t.receive(Dead("second"))
+    assert calls == ["first"] and client.dead == "first"
+    assert "on_dead failed" in caplog.text
+    assert r_events.events[-1] == Failed(503, "the engine is not running: first")
+    assert w_events.events[-1] == Rejected(503, "the engine is not running: first")
+    assert client.stats["failed"] == 1 and not client.jobs and client.unanswered == 0
+    with pytest.raises(RuntimeError, match="the engine is not running: first"):
+        pool.result(1)
+    assert not any(isinstance(m, Cancel) for m in t.sent)     # (nobody to tell)
+    time.sleep(0.3)                                 # the watchdog looks on: says nothing
+    assert "in flight fail" not in caplog.text
+    client.stop()
+    t = Silent()
+    client = EngineClient(t, TOK).start()
+    job, events = _job()
+    client.submit(job)
+    t.receive(Answer(job.key))
+    client.request_stop()
+    client.request_stop()
+    assert [type(m) for m in t.sent] == [Submit, Stop]
+    time.sleep(0.3)
+    assert "in flight fail" not in caplog.text
+    assert client.health() == "the server is shutting down"
+    assert events.events[-1] == Failed(503, "the server is shutting down")
+    assert client.stats["failed"] == 0          # a stop fails nobody's request
+    client.stop()
+
+
+def test_a_stall_is_said_once_and_its_end_too(caplog):
+    """The watchdog ends the jobs in flight once when the engine stalls, says so once in
+    the log, and the first word from the core ends the stall (logged too)."""
+    t = Silent()
+    client = EngineClient(t, TOK, stall_timeout=0.2).start()
+    try:
+        with caplog.at_level("WARNING", logger="pagedkv.serve"):
+            job, events = _job()
+            client.submit(job)
+            assert events.got.wait(2), "the watchdog did not answer"
+            time.sleep(0.3)                     # more looks of the watchdog
+            assert caplog.text.count("requests in flight fail") == 1
+            (said,) = [r.getMessage() for r in caplog.records if "flight" in r.getMessage()]
+            assert said.startswith("the engine has made no progress for ")
+            assert said.endswith(" s (--stall-timeout 0.2): 1 requests in flight fail")
+            assert [type(m) for m in t.sent] == [Submit, Cancel]
+            t.receive(Beat({}, time.monotonic()))
+            assert "the engine is making progress again" in \
+                [r.getMessage() for r in caplog.records]
+            assert client.health() is None
+            again, events = _job()
+            client.submit(again)                # a second stall is said again
+            assert events.got.wait(2), "the watchdog did not answer the second stall"
+            time.sleep(0.1)
+            assert caplog.text.count("requests in flight fail") == 2
+    finally:
+        client.stop()
+
+
+def test_pool_maps_and_failures_reach_their_jobs(caplog):
+    """A pool map in an answer or a step's report becomes the job's PoolMap event (none
+    without one); a failed step's numbers replace the client's, and a failed step
+    naming a job that has gone is ignored; failures are logged naming the job or the
+    engine's reason."""
+    from pagedkv.serve.messages import StepFailed
+    from pagedkv.serve.texts import PoolMap
+    t = Silent()
+    client = EngineClient(t, TOK, on_dead=lambda reason: 1 / 0).start()
+    try:
+        mapped, m_events = _job()
+        plain, p_events = _job()
+        for job in (mapped, plain):
+            client.submit(job)
+        t.receive(Answer(mapped.key, pool="..mm"))
+        t.receive(Answer(plain.key))
+        assert m_events.events == [Accepted("..mm"), PoolMap("..mm")]
+        assert p_events.events == [Accepted(None)]
+        a = TOK.encode_text("a")[0]
+        t.receive(Stepped([(mapped.key, [(0, [a], False)], ".mmm", False),
+                           (plain.key, [(0, [a], False)], None, False)], {}, {},
+                          time.monotonic()))
+        assert m_events.events[2] == PoolMap(".mmm")
+        assert not any(isinstance(e, PoolMap) for e in p_events.events)
+        t.receive(StepFailed([99, plain.key], "boom", {"failed_steps": 1}))
+        assert client.core_stats == {"failed_steps": 1}
+        client.texts.tokenizer = None
+        with caplog.at_level("ERROR", logger="pagedkv.serve"):
+            t.receive(Stepped([(mapped.key, [(1, [a], False)], None, False)], {}, {},
+                              time.monotonic()))
+            t.receive(Dead("gone"))
+        messages = [r.getMessage() for r in caplog.records]
+        assert f"request {mapped.key} failed" in messages
+        assert "the engine is dead: gone" in messages and "on_dead failed" in messages
+    finally:
+        client.stop()
+
+
+def test_an_idle_engine_that_stalls_is_said_once(caplog):
+    """With nothing in flight, a stall is still logged, once."""
+    t = Silent()
+    with caplog.at_level("ERROR", logger="pagedkv.serve"):
+        client = EngineClient(t, TOK, stall_timeout=0.2).start()
+        try:
+            end = time.monotonic() + 2
+            while "in flight fail" not in caplog.text:
+                assert time.monotonic() < end, "the stall was not logged"
+                time.sleep(0.02)
+            time.sleep(0.3)
+            assert caplog.text.count("0 requests in flight fail") == 1
+        finally:
+            client.stop()
+
+
+def test_a_failure_after_a_job_ended_fails_it_once(monkeypatch):
+    """Making a job's timings fails after the job has left the client: it gets one 500
+    error, and the client serves on."""
+    import pagedkv.serve.client as client_module
+    t = Silent()
+    client = EngineClient(t, TOK).start()
+    try:
+        job, events = _job(1)
+        client.submit(job)
+        t.receive(Answer(job.key))
+        monkeypatch.setattr(client_module, "timings", lambda *a: 1 / 0)
+        a = TOK.encode_text("a")[0]
+        t.receive(Stepped([(job.key, [(0, [a], True)], None, True)], {}, {},
+                          time.monotonic()))
+        assert events.events[-1] == Failed(500, "the server failed on this request: "
+                                                "division by zero")
+        assert not client.jobs and client.health() is None
+    finally:
+        client.stop()

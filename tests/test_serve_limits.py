@@ -21,7 +21,7 @@ import pytest
 from pagedkv.serve.models import ByteTokenizer, chat_text
 from pagedkv.serve.process import ServerProcess, get_json
 
-from _serving import idle, metric
+from _serving import idle, metric, within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ,
@@ -222,6 +222,20 @@ def test_a_body_too_large(server):
     _answers(server)
 
 
+@pytest.mark.parametrize("how", ["declared", "streamed"])
+def test_a_body_of_exactly_max_body_bytes_is_answered(server, how):
+    """--max-body bytes exactly (a small completion padded with spaces) are answered,
+    with a Content-Length or chunked; one byte more gets 413."""
+    small = json.dumps(dict(model=MODEL, prompt="ok", max_tokens=2, temperature=0)).encode()
+    for size, status in ((MAX_BODY, 200), (MAX_BODY + 1, 413)):
+        body = small + b" " * (size - len(small))
+        content = body if how == "declared" else iter([body[:size // 2], body[size // 2:]])
+        r = httpx.post(server.base_url + "/completions", headers=JSON, timeout=TIMEOUT,
+                       content=content)
+        assert r.status_code == status, (size, r.text[:300])
+    _idle(server)
+
+
 def test_a_big_prompt_does_not_stall_the_others(server):
     """A prompt as long as the context could hold at the tokenizer's most characters a
     token is parsed and tokenized off the event loop: a stream that runs meanwhile keeps
@@ -377,6 +391,33 @@ def test_connections_beyond_the_limit_are_answered_503(server):
     _answers(server)
 
 
+def test_a_connection_beyond_the_limit_is_answered_at_once():
+    """With --max-connections 4 and --read-timeout 30: three idle connections are open;
+    a request on a fourth is answered 503 and its connection closed at once (within 5 s,
+    far from the 30 s a head may take); once the three close, requests are answered."""
+    with ServerProcess("--model", "tiny", "--engine", "thread", "--max-connections", 4,
+                       "--read-timeout", 30, env=ENV, timeout=60) as s:
+        held = [_connect(s) for _ in range(3)]
+        time.sleep(0.2)
+        extra = socket.create_connection((s.host, s.port), timeout=5)
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        try:
+            reply = _response(extra)
+            assert extra.recv(1024) == b"", "not closed"
+        except socket.timeout:
+            raise AssertionError("no answer within 5 s: expected 503 and a close, for a "
+                                 "connection past --max-connections") from None
+        assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+        extra.close()
+        for h in held:
+            h.close()
+        end = time.monotonic() + 5
+        while httpx.get(s.url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < end, "still refused after the connections closed"
+            time.sleep(0.05)
+    assert s.proc.returncode == 0, s.log()
+
+
 def test_a_client_gone_mid_body_is_one_line_in_the_log(server):
     """A client that closes its connection halfway through a body: one line in the log,
     no traceback, and the server answers after."""
@@ -447,14 +488,26 @@ def test_too_many_waiting_says_when_to_retry():
 
 # ---------------------------------------------------------------------- failures
 
-def test_a_failed_step_fails_its_requests_and_the_server_serves_on():
+ENGINES = ["process", "thread"]
+ANSWER = 10.0       # seconds: "at once" for an answer that is an error (else: never)
+
+
+def _stream_chunks(url: str, body: dict) -> list:
+    with httpx.stream("POST", url, json=body, timeout=TIMEOUT) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_failed_step_fails_its_requests_and_the_server_serves_on(engine):
+    """The engine's fifth step fails: the stream in it ends with an error naming the
+    failure (within seconds, not when a client gives up), and the server serves on."""
     env = {**ENV, "PAGEDKV_SERVE_FAIL_STEPS": "5"}
-    with ServerProcess("--model", "tiny", "--audit", env=env, timeout=60) as s:
+    with ServerProcess("--model", "tiny", "--audit", "--engine", engine, env=env,
+                       timeout=60) as s:
         body = dict(model=MODEL, prompt="a", max_tokens=20, temperature=0, stream=True)
-        with httpx.stream("POST", s.base_url + "/completions", json=body,
-                          timeout=TIMEOUT) as r:
-            chunks = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: {")]
+        chunks = within(ANSWER, "a stream ending with the failed step's error",
+                        _stream_chunks, s.base_url + "/completions", body)
         assert "injected at step 5" in chunks[-1]["error"]["message"]
         assert chunks[-1]["error"]["type"] == "server_error"
         assert _metric(s, "pagedkv_engine_failed_steps_total") == 1
@@ -464,57 +517,103 @@ def test_a_failed_step_fails_its_requests_and_the_server_serves_on():
     assert s.proc.returncode == 0, s.log()
 
 
-def test_an_engine_that_keeps_failing_is_dead_and_the_process_exits_1():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_failed_steps_apart_leave_the_server_healthy(engine):
+    """Steps 3 and 6 fail, with good steps between them: each fails its request (500,
+    naming it), /health stays 200 and the server answers after; only failures in a row
+    kill an engine."""
+    env = {**ENV, "PAGEDKV_SERVE_FAIL_STEPS": "3,6"}
+    with ServerProcess("--model", "tiny", "--audit", "--engine", engine, env=env,
+                       timeout=60) as s:
+        for step in (3, 6):
+            r = within(ANSWER, f"500 for the failure of step {step}", httpx.post,
+                       s.base_url + "/completions", timeout=TIMEOUT, json=dict(
+                           model=MODEL, prompt="a", max_tokens=20, temperature=0))
+            _error(r, 500, f"a failure injected at step {step}")
+            r = httpx.get(s.url + "/health", timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+        assert _metric(s, "pagedkv_engine_failed_steps_total") == 2
+        _answers(s)
+        assert s.proc.poll() is None
+    assert s.proc.returncode == 0, s.log()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_engine_that_keeps_failing_is_dead_and_the_process_exits_1(engine):
+    """Steps 2 and 3 fail, in a row: the requests in them get 500 or 503 within seconds,
+    the engine is dead and the server exits with status 1."""
     env = {**ENV, "PAGEDKV_SERVE_FAIL_STEPS": "2,3"}
-    s = ServerProcess("--model", "tiny", env=env, timeout=60).start()
+    s = ServerProcess("--model", "tiny", "--engine", engine, env=env, timeout=60).start()
     try:
-        for _ in range(2):      # two requests, each failed by a step: two in a row
-            r = httpx.post(s.base_url + "/completions", timeout=TIMEOUT, json=dict(
-                model=MODEL, prompt="a", max_tokens=20, temperature=0))
+        for step in (2, 3):      # two requests, each failed by a step: two in a row
+            r = within(ANSWER, f"500 or 503 for the failure of step {step}", httpx.post,
+                       s.base_url + "/completions", timeout=TIMEOUT, json=dict(
+                           model=MODEL, prompt="a", max_tokens=20, temperature=0))
             assert r.status_code in (500, 503), r.text
-        status = s.proc.wait(20)
+        status = within(ANSWER, "the server's exit after its engine died", s.proc.wait)
     finally:
         s._kill()
     assert status == 1, s.log()
     assert "the engine is dead: two engine steps failed in a row" in s.log()
 
 
-def test_a_dead_engine_answers_503_until_the_process_ends():
-    """In process: the engine dead, /health and the endpoints say 503 with the reason,
-    /metrics still answers."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_dead_engine_answers_503_everywhere_but_metrics(engine, monkeypatch):
+    """In this process, over either transport: two steps fail in a row and the engine
+    is dead; then every endpoint (the page, its files, /health included) answers 503
+    naming why, the refusals of requests with Retry-After, and /metrics still answers."""
     from starlette.testclient import TestClient
 
     from pagedkv.serve.app import create_app
     from pagedkv.serve.client import EngineClient
-    from pagedkv.serve.messages import Dead
     from pagedkv.serve.models import load
     from pagedkv.serve.start import EngineSpec, make_engine
-    from pagedkv.serve.transport import ThreadTransport
+    from pagedkv.serve.transport import ProcessTransport, ThreadTransport
+    monkeypatch.setenv("PAGEDKV_SERVE_FAIL_STEPS", "1,2")
     served = load("tiny", model=False)
-    transport = ThreadTransport(*make_engine(EngineSpec.of("tiny", num_blocks=64)))
+    spec = EngineSpec.of("tiny", num_blocks=64)
+    transport = ThreadTransport(*make_engine(spec)) if engine == "thread" else \
+        ProcessTransport(spec, log_level="WARNING")
     client = EngineClient(transport, served.tokenizer).start()
     try:
-        client.receive(Dead("a test killed it"))
         app = TestClient(create_app(client, served), base_url="http://127.0.0.1")
-        r = app.get("/health")
-        _error(r, 503, "a test killed it")
-        r = app.post("/v1/completions", json=dict(model=MODEL, prompt="a"))
-        _error(r, 503, "the engine is not running: a test killed it")
-        assert r.headers["Retry-After"] == "1"
-        assert "pagedkv_engine_dead 1.0" in app.get("/metrics").text
+        body = dict(model=MODEL, prompt="a", max_tokens=5)
+        for _ in range(2):
+            r = within(ANSWER, "an error for a failed step", app.post, "/v1/completions",
+                       json=body)
+            assert r.status_code in (500, 503), r.text
+        end = time.monotonic() + 5
+        while client.dead is None:
+            assert time.monotonic() < end, "the engine is not dead after two failures"
+            time.sleep(0.01)
+        why = "the engine is not running: two engine steps failed in a row"
+        chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        for method, path, kw in (("GET", "/health", {}), ("GET", "/", {}),
+                                 ("GET", "/static/app.js", {}), ("GET", "/v1/models", {}),
+                                 ("GET", "/pool", {}),
+                                 ("POST", "/v1/completions", dict(json=body)),
+                                 ("POST", "/v1/chat/completions", dict(json=chat))):
+            r = app.request(method, path, **kw)
+            _error(r, 503, why)
+            assert r.headers["Retry-After"] == "1", path
+        r = app.get("/metrics")
+        assert r.status_code == 200 and "pagedkv_engine_dead 1.0" in r.text
     finally:
         client.stop()
 
 
-def test_sigterm_exits_0_after_stopping_the_loop():
-    with ServerProcess("--model", "tiny", env=ENV, timeout=60) as s:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigterm_exits_0_after_stopping_the_loop(engine):
+    """SIGTERM mid-stream: the stream ends saying the server shuts down, and the process
+    exits 0, in either engine."""
+    with ServerProcess("--model", "tiny", "--engine", engine, env=ENV, timeout=60) as s:
         body = dict(model=MODEL, prompt="a", max_tokens=1500, temperature=0, stream=True)
         with httpx.stream("POST", s.base_url + "/completions", json=body,
                           timeout=TIMEOUT) as r:
             lines = r.iter_lines()
             next(x for x in lines if x.startswith("data: {"))
             s.proc.send_signal(signal.SIGTERM)
-            rest = list(lines)
+            rest = within(ANSWER, "the stream's end after SIGTERM", list, lines)
         assert any("shutting down" in line for line in rest), rest[-3:]
         assert s.proc.wait(20) == 0, s.log()
         assert "stopped" in s.log() and "Traceback" not in s.log()
@@ -537,7 +636,8 @@ def test_an_engine_process_that_is_killed_makes_the_server_exit_1():
             (child,) = [p for p in psutil.Process(s.proc.pid).children()
                         if "spawn_main" in " ".join(p.cmdline())]
             child.kill()
-            rest = list(lines)
+            rest = within(ANSWER, "the stream's end after its engine was killed", list,
+                          lines)
         assert any("the engine process ended" in line for line in rest), rest[-3:]
         _error(whole.result(TIMEOUT), 503, "the engine is not running: the engine process "
                                            "ended (exit status -9)")

@@ -149,3 +149,32 @@ def test_the_timings_are_in_the_json_answer():
     whole = Ids("text_completion", MODEL).whole(["a"], ["stop"], {"total_tokens": 2},
                                                 {"queued_ms": 1.0})
     assert json.loads(json.dumps(whole))["timings"] == {"queued_ms": 1.0}
+
+
+@pytest.mark.parametrize("parse, field", [(parse_completion, "max_tokens"),
+                                          (parse_chat, "max_completion_tokens")])
+def test_min_tokens_may_equal_max_tokens(parse, field):
+    """``min_tokens == max_tokens`` is accepted (every token drawn without the end
+    token); one more is refused."""
+    body = {"prompt": "a"} if parse is parse_completion else \
+        {"messages": [{"role": "user", "content": "a"}]}
+    spec = parse(dict(model=MODEL, **body, **{field: 5, "min_tokens": 5}), SERVED)
+    assert spec.params.min_tokens == spec.params.max_new_tokens == 5
+    _refused(parse, dict(body, **{field: 5, "min_tokens": 6}), "min_tokens",
+             "min_tokens must be an integer in [0, 5], got 6")
+
+
+def test_a_completion_that_fills_the_context_is_accepted():
+    """A prompt and max_tokens that fill the 2,048-token context exactly are accepted;
+    one token more, the answer's or the prompt's, is refused (context_length_exceeded);
+    a prompt of 2,047 tokens gets the one token left by default."""
+    ids = [5] * 2040
+    spec = parse_completion(dict(model=MODEL, prompt=ids, max_tokens=8), SERVED)
+    assert len(spec.prompt) + spec.params.max_new_tokens == 2048
+    e = _refused(parse_completion, {"prompt": ids, "max_tokens": 9}, "max_tokens",
+                 "2040 prompt tokens + max_tokens 9 exceed the model's context of 2048")
+    assert e.code == "context_length_exceeded"
+    spec = parse_completion(dict(model=MODEL, prompt=[5] * 2047), SERVED)
+    assert spec.params.max_new_tokens == 1
+    e = _refused(parse_completion, {"prompt": [5] * 2048}, "prompt", "leaves no room")
+    assert e.code == "context_length_exceeded"

@@ -22,7 +22,7 @@ import psutil
 
 from pagedkv.serve.process import ServerProcess
 
-from _serving import idle, metric
+from _serving import idle, metric, within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ,
@@ -92,12 +92,14 @@ def test_a_stopped_engine_never_freezes_the_server():
                 assert "no progress" in r.json()["error"]["message"] and took < 1.0
                 assert metric(s, "pagedkv_engine_stalled") == 1
                 assert metric(s, "pagedkv_engine_heard_age_seconds") > STALL
-                rest = list(lines)                   # the stream's end
+                rest = within(10, "the stream's error event once the engine stalls",
+                              list, lines)          # the stream's end
                 errors = [json.loads(x[6:])["error"] for x in rest if '"error"' in x]
                 assert errors and "no progress" in errors[0]["message"], rest[-3:]
-                r = whole.result(TIMEOUT)
+                r = within(10, "503 for the whole answer once the engine stalls",
+                           whole.result)
                 assert r.status_code == 503 and "no progress" in r.text
-                answers = burst.result(TIMEOUT)
+                answers = within(10, "503 for each of the burst's requests", burst.result)
             finally:
                 child.resume()
         assert healths[0] == 200 and healths[-1] == 503, healths
@@ -140,11 +142,11 @@ def test_sigterm_with_a_stopped_engine_exits_within_the_shutdown_timeout():
             child.suspend()
             t = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
-            rest = list(lines)
+            rest = within(10, "the stream's end after SIGTERM", list, lines)
             ended = time.monotonic() - t
         status = s.proc.wait(10)
         took = time.monotonic() - t
-        r = whole.result(TIMEOUT)
+        r = within(10, "503 for the whole answer after SIGTERM", whole.result)
     finally:
         s._kill()
     assert r.status_code == 503 and r.json()["error"]["message"] == \
@@ -166,7 +168,8 @@ def test_a_stalled_step_on_the_engines_thread():
         with httpx.stream("POST", s.base_url + "/completions", json=dict(LONG, stream=True),
                           timeout=TIMEOUT) as r:
             t = time.monotonic()
-            rest = list(r.iter_lines())
+            rest = within(10, "the stream's error event once the step stalls", list,
+                          r.iter_lines())
             ended = time.monotonic() - t
             r, took = _quick("GET", s.url + "/health")
         assert r.status_code == 503 and "no progress" in r.text and took < 1.0
