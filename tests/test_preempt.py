@@ -16,6 +16,7 @@ from pagedkv.model.blas import single_thread_blas
 from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate
 from pagedkv.model.requests import SamplingParams
+from _engine_cases import drain as _drain, generate as _generate
 from _tiny import TINY
 
 single_thread_blas()
@@ -52,23 +53,6 @@ def _prompts(seed=SEED, shared=27, tails=(3, 9, 14, 20, 6)):
 def _expected(model, prompts, params):
     return [[(s.generated, s.score) for s in reference_generate(model, p, params, STOP)]
             for p in prompts]
-
-
-def _drain(engine, limit=2_000):
-    """Step until the engine has no work: a loop that stops making progress fails here,
-    by name, instead of running until a timeout."""
-    for _ in range(limit):
-        if not engine.has_work():
-            return engine.finished
-        engine.step()
-    raise AssertionError(f"the engine still has work after {limit} steps")
-
-
-def _generate(engine, prompts, params=None):
-    """``engine.generate``, bounded by :func:`_drain`."""
-    reqs = [engine.submit(p, params) for p in prompts]
-    _drain(engine)
-    return reqs
 
 
 def _run(model, prompts, params, config):

@@ -23,6 +23,7 @@ from pagedkv.model.engine import Engine
 from pagedkv.model.reference import reference_generate, reference_forward, ContiguousCache
 from pagedkv.model.requests import SamplingParams
 from pagedkv.speculate import accept_drawn, accept_greedy
+from _engine_cases import CASES, GREEDY, MIXED
 from _tiny import TINY
 
 single_thread_blas()
@@ -107,24 +108,6 @@ def _oracle(model, prompts, params, stops=STOPS):
 def _guessed_and_rejected(engine):
     c = engine.memory.counts
     assert c.drafted > c.accepted > 0              # guesses kept, and guesses rolled back
-
-
-GREEDY = SamplingParams(max_new_tokens=30)
-MIXED = [GREEDY, SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
-         SamplingParams(max_new_tokens=10, temperature=1.0, top_k=5, n=3, seed=5),
-         SamplingParams(max_new_tokens=10, beam_width=3),
-         SamplingParams(max_new_tokens=20, min_tokens=15),
-         SamplingParams(max_new_tokens=9, temperature=0.7, min_tokens=6, seed=8),
-         SamplingParams(max_new_tokens=14, ignore_eos=True)]
-CASES = {
-    "late stops": dict(),
-    "plain runner": dict(runner="plain"),
-    "prefix caching": dict(prefix_caching=True),
-    "fast bookkeeping": dict(bookkeeping="fast", prefix_caching=True),
-    "recompute": dict(num_blocks=12),
-    "swap": dict(num_blocks=12, preemption="swap", host_blocks=64),
-    "budget": dict(token_budget=24, max_seqs=6),
-}
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["depth 0", "depth 1"])
