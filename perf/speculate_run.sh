@@ -8,7 +8,8 @@
 #   bench  python -m pagedkv.bench.speculate: five workloads at batch 1, 8, 64 and 256, off,
 #          on and the default, 128 new tokens, median of 3 (about 5 minutes; the JSON is
 #          written after each batch, so a run cut short keeps the batches it finished)
-# The JSON is named speculate-<card>-<date>.json (the card read from nvidia-smi: h100, h200).
+# The JSON is named speculate-<card>-<date>.json (the card read from nvidia-smi: h100, h200),
+# or NAME.json when NAME is set (several runs of one day: NAME=speculate-h100-2026-12-08-k7).
 # Usage: DATE=2026-12-08 STEPS="tests bench" bash perf/speculate_run.sh [bench flags]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ source perf/device_env.sh || exit 1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 card=$(echo "$gpu" | grep -oiE 'h100|h200|a100|l40s?' | head -1 | tr 'A-Z' 'a-z')
 echo "$gpu -> ${card:=gpu}"
+name=${NAME:-speculate-$card-$date}
 status=0
 for s in ${STEPS:-tests bench}; do
   case $s in
@@ -28,9 +30,8 @@ for s in ${STEPS:-tests bench}; do
            tail -${TAIL:-8} "$out/$card-$date-speculate-pytest.log" ;;
     bench) echo "=== bench"
            timeout 420 python3 -m pagedkv.bench.speculate \
-             --json "$out/speculate-$card-$date.json" "$@" \
-             > "$out/speculate-$card-$date.log" 2>&1 || { echo "(bench failed)"; status=1; }
-           tail -${TAIL:-25} "$out/speculate-$card-$date.log" ;;
+             --json "$out/$name.json" "$@" > "$out/$name.log" 2>&1 || { echo "(bench failed)"; status=1; }
+           tail -${TAIL:-25} "$out/$name.log" ;;
   esac
 done
 exit $status

@@ -98,19 +98,21 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def engines(model, batch: int, longest: int, new: int, stop_ids, runner: str) -> dict:
+def engines(model, batch: int, longest: int, new: int, stop_ids, runner: str,
+            k: int | None = None) -> dict:
     """One engine per mode, for batches of ``batch`` prompts of at most ``longest`` tokens:
-    the same pool and settings but for ``speculate``. Up to ``k + 1`` rows a sequence fit
-    (at most 512 rows), so that ``on`` can guess at a full batch; on a GPU every graph is
-    captured now, outside the timings."""
-    k = Speculation().k
+    the same pool and settings but for ``speculate`` (``k`` guesses a row in ``on`` and
+    ``default``; None: the default's). Up to ``k + 1`` rows a sequence fit (at most 512
+    rows), so that ``on`` can guess at a full batch; on a GPU every graph is captured now,
+    outside the timings."""
+    k = k or Speculation().k
     max_seqs = min(max(batch * (k + 1), 8), max(512, batch))
     blocks = batch * cdiv(longest + new + k + 2, 16) + 16
     fast = runner != "plain"
     common = dict(num_blocks=blocks, block_size=16, max_seqs=max_seqs, stop_ids=stop_ids,
                   runner=runner, bookkeeping="fast" if fast else "teaching",
                   max_context=longest + new + k + 2 if fast else None)
-    specs = {"off": None, "on": Speculation(max_batch=max_seqs), "default": Speculation()}
+    specs = {"off": None, "on": Speculation(k, max_batch=max_seqs), "default": Speculation(k)}
     out = {}
     for mode, spec in specs.items():
         engine = Engine(model, speculate=spec, **common)
@@ -203,7 +205,8 @@ def run(args, model=None, tok=None, save=None) -> dict:
     r = {"backend": backend.describe(), "date": datetime.datetime.now().isoformat(
              timespec="seconds"), "dtype": str(model.dtype), "runner": runner,
          "new_tokens": new, "repeat": repeat, "warmup": args.warmup, "seed": args.seed,
-         "default": vars(Speculation()), "python": platform.python_version(),
+         "default": vars(Speculation(args.k or Speculation().k)),
+         "python": platform.python_version(),
          "numpy": np.__version__, "command": "python -m pagedkv.bench.speculate " +
          " ".join(args.argv), "results": {}}
     if not backend.on_gpu:
@@ -212,7 +215,7 @@ def run(args, model=None, tok=None, save=None) -> dict:
     print(f"{model.dtype} on {backend.name}, runner {runner!r}; {new} new tokens; "
           f"median of {repeat} after {args.warmup} untimed", flush=True)
     for b in batches:
-        engs = engines(model, b, longest, new, (tok.eos_id,), runner)
+        engs = engines(model, b, longest, new, (tok.eos_id,), runner, args.k)
         for name, (prompts, ignore_eos) in loads.items():
             params = SamplingParams(max_new_tokens=new, ignore_eos=ignore_eos)
             batch = [prompts[i % len(prompts)] for i in range(b)]
@@ -250,6 +253,8 @@ def main(argv=None) -> int:
                    help="untimed runs of each mode first (default 1; 0 with --quick)")
     p.add_argument("--runner", choices=("plain", "fast", "fast-eager"))
     p.add_argument("--seed", type=int, default=40)
+    p.add_argument("--k", type=int, help="guesses a row in on and default (default: "
+                   "Speculation's)")
     p.add_argument("--gguf")
     p.add_argument("--json", help="write every number to this file")
     args = p.parse_args(argv)
