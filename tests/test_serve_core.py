@@ -446,17 +446,21 @@ def test_news_are_each_sequence_s_new_tokens_and_its_end_once():
     yet and whether it ended; an ended sequence once, nothing for one with nothing new."""
     from types import SimpleNamespace as NS
 
+    from pagedkv.model.requests import Sequence
     from pagedkv.serve.core import _Running
     core = EngineCore(NS(finished=[]))
-    s0, s1, s2 = (NS(seq_id=i, generated=[]) for i in range(3))
+    s0, s1, s2 = (Sequence(i, [5, 6], prompt_len=2) for i in range(3))   # a 2-token prompt
     req = NS(live=[s2, s1], finished=[s0])
     r = _Running(req, False)
-    s0.generated, s1.generated = [7, 8], [9]
+    s0.tokens += [7, 8]
+    s1.tokens += [9]
     assert core._news(r) == [(0, [7, 8], True), (1, [9], False)]
-    s1.generated += [10]
+    s1.tokens += [10]
     req.live, req.finished = [s2], [s0, s1]
     assert core._news(r) == [(1, [10], True)]
-    s2.generated += [11]
-    assert core._news(r) == [(2, [11], False)]
+    s2.tokens += [11]
+    assert core._news(r) == [(2, [11], False)]     # (a lone live sequence: the short way)
     assert core._news(r) == []
-    assert core.totals["generated_tokens"] == 5
+    s2.tokens += [12, 13]
+    assert core._news(r) == [(2, [12, 13], False)]
+    assert core.totals["generated_tokens"] == 7
