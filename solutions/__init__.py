@@ -9,8 +9,9 @@ How a chapter's exercises are written (every chapter follows this):
   function ``check_name(impl=name)`` in the same module that exercises ``impl`` and raises
   ``AssertionError`` if it is wrong. A check compares against a trivially correct oracle (a
   brute-force loop, a slot-by-slot model) or against hand-worked cases, with fixed seeds that it
-  prints, or names in its failure message (``solutions._seeds.names_its_seed``), and returns
-  something small worth printing (a dict of counts). It must be able to fail:
+  names in its failure message (``solutions._seeds.names_its_seed``); it prints nothing, and
+  returns the counts the notebook's sentence about it needs (a small dict). It must be able to
+  fail:
 * **Wrong answers prove the check.** The module's ``WRONG`` dict maps a solution's name to a list
   of plausible wrong implementations (an off-by-one, first fit where best fit was asked, ...);
   the tests assert that the check rejects every one of them.

@@ -6,6 +6,8 @@ import numpy as np
 from pagedkv.allocator import BlockAllocator
 from pagedkv.kernels.pattern import pattern_words
 
+from ._seeds import names_its_seed
+
 __all__ = ["pattern_matrix", "blocks_are_disjoint"]
 
 
@@ -36,6 +38,7 @@ def blocks_are_disjoint(allocator) -> bool:
 
 
 # ------------------------------------------------------------------------------------ checks
+@names_its_seed
 def check_pattern_matrix(impl=pattern_matrix, seed=7):
     """Row by row against pattern_words, for scattered, repeated and high block ids."""
     blocks = [0, 5, 3, 3, 1000, 2**31 - 1]
@@ -44,7 +47,7 @@ def check_pattern_matrix(impl=pattern_matrix, seed=7):
     for k, b in enumerate(blocks):
         assert (got[k] == pattern_words(b, 64, seed)).all(), f"row {k} (block {b}) differs"
     assert impl([], 8, seed).shape == (0, 8)
-    return {"seed": seed, "blocks": len(blocks)}
+    return {"blocks": len(blocks)}
 
 
 class _Overlapping:

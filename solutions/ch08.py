@@ -9,6 +9,8 @@ import numpy as np
 from pagedkv.allocator import BlockAllocator
 from pagedkv.manager import KVCacheManager
 
+from ._seeds import names_its_seed
+
 __all__ = ["slot_mapping", "copies_in_step"]
 
 
@@ -45,9 +47,9 @@ def _random_batch(rng: random.Random):
     return m, batch
 
 
+@names_its_seed
 def check_slot_mapping(impl=slot_mapping, seed=17, trials=300):
     """Against the slot mapping the manager's own step returns."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         m, batch = _random_batch(rng)
@@ -57,9 +59,9 @@ def check_slot_mapping(impl=slot_mapping, seed=17, trials=300):
     return {"trials": trials}
 
 
+@names_its_seed
 def check_copies_in_step(impl=copies_in_step, seed=19, trials=300):
     """Against the copies a real step makes, from the state just before it."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     copies = 0
     for _ in range(trials):

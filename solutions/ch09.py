@@ -9,6 +9,8 @@ import numpy as np
 from pagedkv.errors import ConfigError
 from pagedkv.kernels import dense_attention, paged_decode_attention_ref, write_kv
 
+from ._seeds import names_its_seed
+
 __all__ = ["write_kv_numpy", "merge_partials", "online_mirror", "warp_trip_scores"]
 
 
@@ -96,11 +98,11 @@ def warp_trip_scores(q_head, k_rows):
 
 
 # ------------------------------------------------------------------------------------ checks
+@names_its_seed
 def check_write_kv_numpy(impl=write_kv_numpy, seed=9, trials=200):
     """Against ``pagedkv.kernels.write_kv`` on a twin cache: random shapes and dtypes, distinct
     slots with padding (-1 and other negatives) among them; a slot past the end must raise
     ``ConfigError`` and leave the cache untouched."""
-    print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     for _ in range(trials):
         blocks, bs = int(rng.integers(1, 9)), int(rng.choice([1, 2, 4, 16]))
@@ -142,11 +144,11 @@ def _part(q, k, v, scale):
     return p @ v / p.sum(axis=1, keepdims=True), m[:, 0] + np.log(p.sum(axis=1))
 
 
+@names_its_seed
 def check_merge_partials(impl=merge_partials, seed=10, trials=300):
     """Split random keys at a random point (either part may be empty), attend over each part,
     merge, and compare with ``dense_attention`` over all of them; scores up to about 1000
     (where ``exp`` of an lse overflows), and both parts empty."""
-    print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     for _ in range(trials):
         heads, d, n = int(rng.integers(1, 5)), int(rng.choice([4, 16, 64])), int(rng.integers(1, 40))
@@ -185,11 +187,11 @@ def _case(rng, lens, q_heads, kv_heads, d, bs):
     return q, cache, tables, np.asarray(lens, np.int32)
 
 
+@names_its_seed
 def check_online_mirror(impl=online_mirror, seed=12, trials=12):
     """Against the float64 reference on NaN-filled pools: lengths from 1 to a few blocks
     (ending on block boundaries too), groups 1 to 4, head_dim 64 and 128, trips 1, 2, 5;
     relative error under 2e-3 (fp16's tolerance in this chapter)."""
-    print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     for k in range(trials):
         bs, d, group = int(rng.choice([8, 16])), int(rng.choice([64, 128])), k % 4 + 1
@@ -205,10 +207,10 @@ def check_online_mirror(impl=online_mirror, seed=12, trials=12):
     return {"cases": trials}
 
 
+@names_its_seed
 def check_warp_trip_scores(impl=warp_trip_scores, seed=13, trials=30):
     """Each trip's scores against float64 dot products, for head_dim 64 (4 rows a trip,
     8 lanes a row), 128 (2 rows, 16 lanes) and 256 (1 row, 32 lanes)."""
-    print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     for k in range(trials):
         d = (64, 128, 256)[k % 3]

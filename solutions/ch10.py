@@ -12,6 +12,8 @@ from pagedkv.model.reference import reference_generate
 from pagedkv.model.requests import SamplingParams
 from pagedkv.spec import KVSpec
 
+from ._seeds import names_its_seed
+
 __all__ = ["kv_spec_from_hf", "greedy_paged"]
 
 
@@ -74,10 +76,10 @@ KNOWN = {
 }
 
 
+@names_its_seed
 def check_kv_spec_from_hf(impl=kv_spec_from_hf, seed=12, trials=300):
     """Hand-worked bytes per token for two real configurations, then random configurations
     with and without the optional fields against the formula written out."""
-    print(f"seed={seed}")
     for name, (config, want) in KNOWN.items():
         assert impl(config).bytes_per_token == want, name
     rng = random.Random(seed)
@@ -102,10 +104,10 @@ TINY = LlamaConfig(vocab_size=96, hidden=64, layers=2, heads=4, kv_heads=2, head
                    ffn=128, rope_base=10000.0, context=512)
 
 
+@names_its_seed
 def check_greedy_paged(impl=greedy_paged, seed=1234, prompts=4, new_tokens=24):
     """Token for token against ``reference_generate`` (one contiguous cache, no paging) on a
     tiny random Llama, at block sizes 1, 4 and 16 (16 decodes with the paged kernel)."""
-    print(f"seed={seed}")
     model = Llama(TINY, random_weights(TINY, seed), xp=np)
     rng = np.random.default_rng(seed)
     for n in rng.integers(1, 40, prompts).tolist():

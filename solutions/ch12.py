@@ -10,6 +10,8 @@ from pagedkv.model import Llama, LlamaConfig, random_weights
 from pagedkv.model import runner as runner_mod
 from pagedkv.model.llama import Batch, PagedKV
 
+from ._seeds import names_its_seed
+
 __all__ = ["count_operations", "pad_to_bucket", "add_rms_norm"]
 
 TINY = LlamaConfig(vocab_size=96, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=64,
@@ -152,10 +154,10 @@ def check_count_operations(impl=count_operations):
     return {"operations for 30 layers": sum(expect.values())}
 
 
+@names_its_seed
 def check_pad_to_bucket(impl=pad_to_bucket, seed=14):
     """Against the fast runner's own staging (``FastRunner._stage``) for random batches."""
     rng = np.random.default_rng(seed)
-    print(f"seed {seed}")
     model = Llama(TINY, random_weights(TINY, 3), xp=np)
     runner = runner_mod.FastRunner(model, PagedKV.for_model(model, 64, 16), max_batch=8)
     B = runner.max_batch
@@ -174,12 +176,12 @@ def check_pad_to_bucket(impl=pad_to_bucket, seed=14):
     return {"batches": 50}
 
 
+@names_its_seed
 def check_add_rms_norm(impl=add_rms_norm, seed=12):
     """Bit for bit against the two calls (``x += y``, then ``fused.rms_norm``) on random rows
     in float16 and float32, ``x`` updated in place; then the greedy tokens and logits of a
     runner that uses ``impl`` inside its layers against the fast runner's (NumPy)."""
     rng = np.random.default_rng(seed)
-    print(f"seed {seed}")
     rows = 0
     for dtype in (np.float16, np.float32):
         for shape in ((1, 64), (5, 576), (64, 576)):

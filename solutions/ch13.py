@@ -13,6 +13,8 @@ from pagedkv import sim
 from pagedkv.kernels.reference import paged_prefill_attention_ref
 from pagedkv.scheduler import Scheduler
 
+from ._seeds import names_its_seed
+
 __all__ = ["steps_to_first_token", "budget_for", "prefill_tiles", "PrefillFirst"]
 
 
@@ -170,9 +172,8 @@ def _served(prompt: int, running: int, budget: int) -> int:
     return next(i for i, n in enumerate(grew) if n > prompt) + 1
 
 
-def check_steps_to_first_token(impl=steps_to_first_token, seed=15):
+def check_steps_to_first_token(impl=steps_to_first_token):
     """Against the simulation for a grid of prompts, decodes and budgets."""
-    print(f"seed={seed} (the grid is fixed)")
     for prompt, running, budget in itertools.product((1, 30, 64, 100), (0, 3, 8),
                                                      (12, 33, 64)):
         want = _served(prompt, running, budget)
@@ -181,10 +182,9 @@ def check_steps_to_first_token(impl=steps_to_first_token, seed=15):
     return {"cases": 36}
 
 
-def check_budget_for(impl=budget_for, seed=15):
+def check_budget_for(impl=budget_for):
     """The budget it gives reaches the first token within the steps (by the simulation),
     and one token less does not."""
-    print(f"seed={seed} (the grid is fixed)")
     for prompt, running, steps in itertools.product((10, 63, 100), (0, 4), (1, 2, 5)):
         b = impl(prompt, running, steps)
         assert _served(prompt, running, b) <= steps, (prompt, running, steps, b)
@@ -193,11 +193,11 @@ def check_budget_for(impl=budget_for, seed=15):
     return {"cases": 18}
 
 
+@names_its_seed
 def check_prefill_tiles(impl=prefill_tiles, seed=21, trials=60):
     """Against the float64 reference (``paged_prefill_attention_ref``) on random chunks:
     scattered block tables, chunks starting mid-block, grouped heads, tiles that do not
     line up with blocks, and a pool that holds NaN wherever no token was written."""
-    print(f"seed={seed}")
     rng = np.random.default_rng(seed)
     for _ in range(trials):
         bs, kv_heads, group = (int(rng.choice(c)) for c in ((8, 16, 32), (1, 2), (1, 3)))
@@ -220,13 +220,13 @@ def check_prefill_tiles(impl=prefill_tiles, seed=21, trials=60):
     return {"cases": trials}
 
 
+@names_its_seed
 def check_PrefillFirst(impl=PrefillFirst, seed=22):
     """A long prompt arriving into running decodes, in the simulation: with prefills
     first, its prefill takes ``ceil((prompt + 1) / budget)`` steps (the whole budget, its
     first token included) and the running requests wait one step more than that; no step
     computes more than the budget, and no step that prefills also decodes a request that
     was already decoding (also on a trace of random arrivals)."""
-    print(f"seed={seed}")
     cases = 0
     for prompt, budget in itertools.product((63, 300), (32, 64, 100)):
         out, clock = spike_in_sim(impl, prompt=prompt, running=8, budget=budget, at=30,

@@ -13,6 +13,8 @@ from pagedkv.manager import KVCacheManager
 from pagedkv.spec import KVSpec
 from pagedkv.transfer import copy_between, plan_transfer
 
+from ._seeds import names_its_seed
+
 __all__ = ["wire_plan", "tp_block_bytes", "plan_transfer_freeing",
            "send_after_next_prefill"]
 
@@ -53,10 +55,10 @@ def _forked_managers(rng):
     return a, b
 
 
+@names_its_seed
 def check_wire_plan(impl=wire_plan, seed=16, trials=200):
     """Each distinct block is sent once, and scattering the packed blocks by ``index``
     gives what :func:`copy_between` gives."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     saved = 0
     for _ in range(trials):
@@ -137,11 +139,11 @@ def _twins(seed):
     return _forked_managers(random.Random(seed)), _forked_managers(random.Random(seed))
 
 
+@names_its_seed
 def check_plan_transfer_freeing(impl=plan_transfer_freeing, seed=14, trials=100):
     """Against :func:`plan_transfer` followed by ``free`` on identical managers (random
     forked sequences): the same plan, A left as freeing would leave it; a plan B
     refuses frees nothing; and sent after the next prefill, it delivers wrong K/V."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         s = rng.randrange(2**32)

@@ -12,6 +12,8 @@ import time
 
 from pagedkv.serve.texts import Texts
 
+from ._seeds import names_its_seed
+
 __all__ = ["safe_length", "read_sse", "OffsetDecoder", "StopIncluded"]
 
 
@@ -48,10 +50,10 @@ def _brute_safe_length(text: str, stops, alphabet) -> int:
     return worst
 
 
+@names_its_seed
 def check_safe_length(impl=safe_length, seed=13, trials=400):
     """Against the brute force on random texts and stop strings over three letters, and
     a few cases worked by hand."""
-    print(f"seed={seed}")
     assert impl("Hello wor", ["world"]) == 6
     assert impl("Hello world!", ["world"]) == 6
     assert impl("abc", ["x"]) == 3
@@ -128,10 +130,10 @@ def _stream_of(objs, rng):
     return [raw[a:b] for a, b in zip([0] + cuts, cuts + [len(raw)])]
 
 
+@names_its_seed
 def check_read_sse(impl=read_sse, seed=131, trials=200):
     """Streams written by the server's own encoder, cut at random byte positions, read
     back to the objects written; and a multi-line event by hand."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         objs = [{"choices": [{"index": 0, "text": rng.choice(["a", "é", "\u2603", "\n"])
@@ -211,12 +213,12 @@ class _Counting:
         return self.tok.decode(list(ids))
 
 
+@names_its_seed
 def check_OffsetDecoder(impl=OffsetDecoder, seed=1313, trials=200):
     """The oracle is decoding the whole answer: on answers made of random pieces of
     text, the pieces joined are the whole text, every prefix of them is a prefix of it
     without an unfinished character, and no call decodes more than 16 ids. Characters
     of two to four bytes are split between tokens in these answers (counted)."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     tok = _byte_level_tokenizer()
     split = 0                    # tokens inside a character (alone: U+FFFD)
@@ -303,6 +305,7 @@ def _ask(client, prompt, params, stop=(), stream=True):
     return text, [e.finish_reason for e in deltas], events
 
 
+@names_its_seed
 def check_StopIncluded(impl=StopIncluded, seed=15, trials=40):
     """On the server's engine client with the tiny random model on a thread of this
     process: a greedy answer with no stop string is the oracle; asked again with stop
@@ -314,7 +317,6 @@ def check_StopIncluded(impl=StopIncluded, seed=15, trials=40):
     from pagedkv.serve.models import load
     from pagedkv.serve.start import EngineSpec, make_engine
     from pagedkv.serve.transport import ThreadTransport
-    print(f"seed={seed}")
     rng = random.Random(seed)
     engine, info = make_engine(EngineSpec.of("tiny", num_blocks=64))
     tokenizer = load("tiny", model=False).tokenizer

@@ -19,6 +19,8 @@ from pagedkv.checks import cdiv, positive_int
 from pagedkv.errors import OutOfBlocks
 from pagedkv.prefix_cache import PrefixCachingManager
 
+from ._seeds import names_its_seed
+
 __all__ = ["QueueAllocator", "orphans", "window_blocks", "PagedRadixTree"]
 
 
@@ -212,13 +214,13 @@ class PagedRadixTree(RadixTree):
 
 
 # ------------------------------------------------------------------------------------ checks
+@names_its_seed
 def check_QueueAllocator(impl=QueueAllocator, seed=17, trials=60, ops=80):
     """vLLM's ``test_prefill`` block for block; random allocations, shares and frees
     against a deque (out on the left, back on the right) with the audit after each;
     and random prefix-caching runs over it and over the stack: the same tokens found
     at every admission, the same refusals and evictions (the order changes which block
     a request gets, not what the cache finds)."""
-    print(f"seed={seed}")
     found, order = test_prefill_order(impl)
     assert found == [0, 48, 48] and order == VLLM_TEST_ORDER, (found, order)
     rng = random.Random(seed)
@@ -290,12 +292,12 @@ def _reachable_by_lookup(manager, sequences) -> set:
     return found
 
 
+@names_its_seed
 def check_orphans(impl=orphans, seed=14, runs=60, ops=60):
     """The chapter's experiment by hand (head first: every block after the evicted ones is
     lost; tail first, pagedkv's order: none), then random runs of requests with shared
     prefixes in a small pool, freed head first so that orphans arise, against a brute-force
     oracle: every sequence ever cached looked up again."""
-    print(f"seed={seed}")
     for k in range(9):
         head, _ = cache_then_take(HeadFirst, k)
         tail, _ = cache_then_take(PrefixCachingManager, k)
@@ -330,10 +332,10 @@ def check_orphans(impl=orphans, seed=14, runs=60, ops=60):
     return {"runs": runs, "orphans seen": lost}
 
 
+@names_its_seed
 def check_window_blocks(impl=window_blocks, seed=15):
     """Against a scan of token positions for every length up to 200, and the bound
     cdiv(window - 1, block_size) + 1."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     cases = [(w, bs) for w in (1, 2, 5, 16, 17, 64) for bs in (1, 2, 4, 16)]
     cases += [(rng.randrange(1, 100), rng.randrange(1, 20)) for _ in range(30)]
@@ -346,11 +348,11 @@ def check_window_blocks(impl=window_blocks, seed=15):
     return {"window and block sizes": len(cases), "lengths each": 201}
 
 
+@names_its_seed
 def check_PagedRadixTree(impl=PagedRadixTree, seed=16, trials=200):
     """Against a brute-force match (the longest common prefix with any inserted sequence,
     rounded down to pages), then request by request against our blocks of the same size on
     chat traces."""
-    print(f"seed={seed}")
     rng = random.Random(seed)
     for _ in range(trials):
         page = rng.choice([1, 2, 4, 16])

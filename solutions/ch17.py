@@ -9,6 +9,8 @@ from fractions import Fraction
 from pagedkv.allocator import BlockAllocator
 from pagedkv.manager import KVCacheManager
 
+from ._seeds import names_its_seed
+
 __all__ = ["rewind", "accept_one"]
 
 
@@ -23,13 +25,13 @@ def rewind(table: list, length: int, n: int, block_size: int) -> tuple[list, lis
     return list(table[:keep]), list(reversed(table[keep:]))
 
 
-def check_rewind(impl=rewind) -> dict:
+@names_its_seed
+def check_rewind(impl=rewind, seed=17) -> dict:
     """Random sequences grown on the teaching manager (their blocks scattered by other
     sequences), rewound by ``impl``: the blocks kept are exactly those that hold one of the
     kept tokens, slot by slot, and the freed ones are the rest, last first; the manager's
     own ``truncate`` agrees."""
-    rng = random.Random(17)
-    print("seed 17")
+    rng = random.Random(seed)
     cases = cut_inside = 0
     for _ in range(300):
         bs = rng.choice([1, 2, 4, 16])
@@ -74,14 +76,14 @@ def accept_one(p: list, q: list, draft: int, u_accept: float, u_sample: float) -
     return max(t for t, r in enumerate(residual) if r > 0)
 
 
-def check_accept_one(impl=accept_one) -> dict:
+@names_its_seed
+def check_accept_one(impl=accept_one, seed=1717) -> dict:
     """Exactly, with fractions: over every draft (drawn from ``q``) and every pair of
     uniforms on a grid of 1/12, the token ``impl`` returns is distributed as ``p``, for
     random ``p`` and ``q`` over four tokens in quarters (a grid of 1/12 then meets every
     threshold the rule has exactly: ``p(d) / q(d)`` and the residual's running shares),
     a ``q`` with tokens ``p`` lacks and one that equals ``p`` included."""
-    rng = random.Random(1717)
-    print("seed 1717")
+    rng = random.Random(seed)
     grid = [Fraction(i, 12) for i in range(12)]
     cases = 0
 
