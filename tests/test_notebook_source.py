@@ -111,6 +111,19 @@ def test_eval_names_are_not_rebound_later(path):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_page_that_quotes_with_eval_runs_inline(path):
+    """myst-nb evaluates an {eval} role only in a notebook it executes inline (the
+    notebook's metadata: "mystnb": {"execution_mode": "inline"}); elsewhere the build
+    warns "This document does not have a running kernel" and fails."""
+    nb = json.loads(path.read_text())
+    quotes = any("{eval}`" in "".join(c["source"]) for c in nb["cells"]
+                 if c["cell_type"] == "markdown")
+    mode = nb["metadata"].get("mystnb", {}).get("execution_mode")
+    assert not quotes or mode == "inline", \
+        f"{path.name} quotes with {{eval}} but its mystnb execution_mode is {mode!r}"
+
+
 MAX_CODE_LINE = 92
 
 
