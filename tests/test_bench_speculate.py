@@ -40,3 +40,12 @@ def test_the_threshold_is_the_largest_batch_where_guessing_won():
     results = {"repeat": {1: at(2.0), 8: at(1.4), 64: at(0.9)},
                "chat": {1: at(0.97), 8: at(0.8)}}
     assert bench.threshold(results) == {"repeat": 8, "chat": None}
+
+
+def test_k_sets_the_guesses_of_on_and_default_and_the_rows_they_need(tiny):
+    engs = bench.engines(tiny, 4, 20, 8, (0,), "fast-eager", k=7)
+    assert engs["off"].config.speculate is None
+    assert engs["on"].config.speculate.k == engs["default"].config.speculate.k == 7
+    assert engs["on"].config.max_seqs == 4 * (7 + 1)      # every sequence's k + 1 rows
+    default = bench.engines(tiny, 4, 20, 8, (0,), "fast-eager")
+    assert default["on"].config.speculate.k == bench.Speculation().k
