@@ -112,6 +112,16 @@ def test_a_request_cancelled_before_its_answer_leaves_the_engine(kind, monkeypat
         client.stop()
 
 
+def _fails_at(client, step: int) -> Failed:
+    """Submit a request that runs into the failure injected at ``step``; its Failed
+    event, which names that step."""
+    job, events = _job(20)
+    assert client.submit(job) is None
+    failed = events.wait(Failed, f"the failure of step {step}")
+    assert f"a failure injected at step {step}" in failed.message
+    return failed
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_failed_steps_with_good_steps_between_leave_the_engine_serving(kind, monkeypatch):
     """Steps 3 and 6 fail, with good steps between: each fails its request (500, naming
@@ -121,11 +131,7 @@ def test_failed_steps_with_good_steps_between_leave_the_engine_serving(kind, mon
                      PAGEDKV_SERVE_FAIL_STEPS="3,6")
     try:
         for step in (3, 6):
-            job, events = _job(20)
-            assert client.submit(job) is None
-            failed = events.wait(Failed, f"the failure of step {step}")
-            assert failed.status == 500
-            assert f"a failure injected at step {step}" in failed.message
+            assert _fails_at(client, step).status == 500
             assert client.health() is None and client.dead is None
         job, events = _job(4)
         assert client.submit(job) is None
@@ -147,10 +153,7 @@ def test_two_failed_steps_in_a_row_kill_the_engine(kind, monkeypatch):
                      PAGEDKV_SERVE_FAIL_STEPS="2,3")
     try:
         for step in (2, 3):
-            job, events = _job(20)
-            assert client.submit(job) is None
-            failed = events.wait(Failed, f"the failure of step {step}")
-            assert f"a failure injected at step {step}" in failed.message
+            _fails_at(client, step)
         _until(lambda: dead, "dead", 5)
         assert dead == [client.dead] and "two engine steps failed in a row" in dead[0]
         assert client.health().startswith("the engine is not running: two engine steps")

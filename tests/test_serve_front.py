@@ -66,6 +66,17 @@ def _connect(url: str, timeout: float = AT_ONCE) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=timeout)
 
 
+def _post_head(url: str, head_end: bytes, what: str) -> bytes:
+    """Send a POST /v1/completions head of JSON, ending with ``head_end`` (its last
+    headers, the blank line and whatever of the body), and return the answer."""
+    s = _connect(url)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\n" + head_end)
+    reply = _answer(s, what)
+    s.close()
+    return reply
+
+
 def _answer(s: socket.socket, what: str) -> bytes:
     """The next answer on ``s``, its head and its body (by its Content-Length); the test
     fails, saying ``what`` it waited for, if none comes within the socket's timeout."""
@@ -141,26 +152,19 @@ def test_a_declared_length_past_the_limit_is_refused_before_the_body():
     """A Content-Length past --max-body is answered 413 at once, before any of the body
     is sent."""
     with front(max_body=1000) as url:
-        s = _connect(url)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: 1001\r\n\r\n")
-        reply = _answer(s, "413 for a declared length past --max-body")
+        reply = _post_head(url, b"Content-Length: 1001\r\n\r\n",
+                           "413 for a declared length past --max-body")
         assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         assert b"has 1001+ bytes; at most 1000" in reply
-        s.close()
 
 
 def test_half_a_body_gets_408_naming_what_came():
     """A body that stops coming is answered 408 when --read-timeout ends, saying how
     much came."""
     with front(read_timeout=0.5) as url:
-        s = _connect(url)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
-        reply = _answer(s, "408 for half a body")
+        reply = _post_head(url, b"Content-Length: 100\r\n\r\n{\"mo", "408 for half a body")
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert b"did not arrive within 0.5 s (4 bytes came)" in reply
-        s.close()
 
 
 def test_a_silent_connection_is_closed_and_a_busy_one_is_not():
