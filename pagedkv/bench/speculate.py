@@ -205,7 +205,7 @@ def run(args, model=None, tok=None, save=None) -> dict:
     r = {"backend": backend.describe(), "date": datetime.datetime.now().isoformat(
              timespec="seconds"), "dtype": str(model.dtype), "runner": runner,
          "new_tokens": new, "repeat": repeat, "warmup": args.warmup, "seed": args.seed,
-         "default": vars(Speculation(args.k or Speculation().k)),
+         "default": vars(Speculation(args.k) if args.k else Speculation()),
          "python": platform.python_version(),
          "numpy": np.__version__, "command": "python -m pagedkv.bench.speculate " +
          " ".join(args.argv), "results": {}}
