@@ -170,8 +170,8 @@ class EngineCore:
 
     def _news(self, r: _Running) -> list:
         """(sequence id, new token ids, ended) for each sequence with something new, in the
-        order of their ids; O(new tokens) a sequence (not a copy of all it generated, which
-        at 256 sequences of hundreds of tokens cost a large share of a GPU step's time)."""
+        order of their ids; O(new tokens) a sequence, not a copy of all it generated
+        (``perf/core_report.py``: 0.20 against 0.74 ms a step for 256 requests)."""
         req, out, sent, new = r.req, [], r.sent, 0
         if len(req.live) == 1 and not req.finished:    # (most requests: one sequence)
             seqs = ((req.live[0], False),)
