@@ -221,9 +221,9 @@ CORE_EQUIVALENT = {
     'xǁEngineCoreǁstep__mutmut_23': ("now - self._pool_sent > self.pool_interval",
         "_pool_sent is a time.monotonic() of an earlier step: the gap is never exactly "
         "pool_interval, so > and >= decide alike"),
-    'xǁEngineCoreǁ_news__mutmut_9': ("key=lambda s: None",
-        "only the order of one request's updates within a step changes (live before "
-        "finished); the client files each update under its sequence id"),
+    'xǁEngineCoreǁ_news__mutmut_5': ("if len(req.live) == 2 and not req.finished:",
+        "the lone live sequence then takes the general way (a sorted list of one): the same "
+        "updates; the short way only saves building that list"),
     'xǁEngineCoreǁ_failed__mutmut_15': ("self.requests.pop(None, None)", POPPED),
     'xǁEngineCoreǁhandle__mutmut_6': ("self.requests.pop(None, None)", POPPED),
     'xǁEngineCoreǁcancel__mutmut_8': ("self._forget(None)",
@@ -231,7 +231,7 @@ CORE_EQUIVALENT = {
         "says so), so there is nothing to forget"),
     'xǁEngineCoreǁstep__mutmut_52': ("self.stats(), None)]",
         "a Stepped's time is read by nobody: the client keeps the time it heard it"),
-    'xǁEngineCoreǁ_news__mutmut_29': ("r.sent[seq.seq_id] = -2 if ended else len(gen)",
+    'xǁEngineCoreǁ_news__mutmut_39': ("sent[seq.seq_id] = -2 if ended else n",
         "any negative mark means 'its end was reported' (seen < 0): -2 reads as -1 does"),
     'x_run_core__mutmut_15': ("put(Beat(core.stats(), None))",
         "a Beat's time is read by nobody: the client keeps the time it heard the beat"),

@@ -419,6 +419,31 @@ def test_a_request_that_asks_for_pool_maps_gets_them(engine):
     assert 0 < core.totals["step_seconds"] < time.monotonic() - t
 
 
+def test_the_steps_time_adds_up_over_steps(engine, monkeypatch):
+    """``step_seconds`` is the sum of every step's time: on a clock that moves one second a
+    reading (two readings a step), three steps count three seconds."""
+    import pagedkv.serve.core as core_module
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(core_module.time, "monotonic", lambda: float(next(ticks)))
+    core = EngineCore(engine)
+    core.handle(Submit(1, [5, 6], SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    for _ in range(3):
+        core.step()
+    assert core.totals["steps"] == 3 and core.totals["step_seconds"] == 3.0
+    core.stop()
+
+
+def test_forget_takes_the_request_out_of_finished_wherever_it_stands():
+    """A finished request the server has answered leaves the engine's ``finished`` list
+    (which would otherwise only grow), at any place in it; the others stay."""
+    from types import SimpleNamespace as NS
+    a, b, c = object(), object(), object()
+    for before, after in (([a, b], [b]), ([b, a], [b]), ([a, c, b], [c, b]), ([c], [c])):
+        engine = NS(finished=list(before))
+        EngineCore(engine)._forget(a)
+        assert engine.finished == after, before
+
+
 def test_a_request_is_admitted_in_the_step_that_takes_it_from_the_queue():
     """With one sequence at a time, the second request waits: the first step's report
     admits the first request alone, and the second is admitted in the step that starts
