@@ -47,5 +47,7 @@ def test_k_sets_the_guesses_of_on_and_default_and_the_rows_they_need(tiny):
     assert engs["off"].config.speculate is None
     assert engs["on"].config.speculate.k == engs["default"].config.speculate.k == 7
     assert engs["on"].config.max_seqs == 4 * (7 + 1)      # every sequence's k + 1 rows
+    lone = bench.engines(tiny, 1, 20, 8, (0,), "fast-eager", k=4)
+    assert lone["off"].config.max_seqs == 20     # a 20-token prompt fits one graph bucket
     default = bench.engines(tiny, 4, 20, 8, (0,), "fast-eager")
     assert default["on"].config.speculate.k == bench.Speculation().k

@@ -103,10 +103,12 @@ def engines(model, batch: int, longest: int, new: int, stop_ids, runner: str,
     """One engine per mode, for batches of ``batch`` prompts of at most ``longest`` tokens:
     the same pool and settings but for ``speculate`` (``k`` guesses a row in ``on`` and
     ``default``; None: the default's). Up to ``k + 1`` rows a sequence fit (at most 512
-    rows), so that ``on`` can guess at a full batch; on a GPU every graph is captured now,
-    outside the timings."""
+    rows), so that ``on`` can guess at a full batch, and at least ``longest``, so that a
+    lone prompt's prefill replays a decode graph (a row a token) as it does in a server
+    with 256 rows, not the eager pass; on a GPU every graph is captured now, outside the
+    timings."""
     k = k or Speculation().k
-    max_seqs = min(max(batch * (k + 1), 8), max(512, batch))
+    max_seqs = min(max(batch * (k + 1), 8, longest), max(512, batch))
     blocks = batch * cdiv(longest + new + k + 2, 16) + 16
     fast = runner != "plain"
     common = dict(num_blocks=blocks, block_size=16, max_seqs=max_seqs, stop_ids=stop_ids,
