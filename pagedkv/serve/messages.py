@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..config import EngineConfig, SamplingParams
 
 __all__ = ["Submit", "Cancel", "ReadPool", "Stop", "Ready", "Answer", "Stepped", "Beat",
-           "PoolRead", "StepFailed", "Dead", "Stopped"]
+           "PoolRead", "StepFailed", "Dead", "Stopped", "merged"]
 
 
 # ---------------------------------------------------------------------- down: commands
@@ -107,3 +107,51 @@ class Dead:
 @dataclass(frozen=True)
 class Stopped:
     """The core ended, as asked."""
+
+
+def merged(messages: list) -> list:
+    """``messages`` in order, each run of consecutive :class:`Stepped` as one: what a reader
+    that fell behind the core hands on at once. Per request, each sequence's new tokens
+    are joined (ended if it ended in the last of them), the newest pool map is kept, and
+    the request is done if it ended in any of them; the admissions are joined (each at
+    its first time), the numbers are the last step's. The client then decodes a request's
+    news once for several steps, not once a step; other messages keep their place."""
+    out: list = []
+    run: list = []
+    for m in [*messages, None]:
+        if isinstance(m, Stepped):
+            run.append(m)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else _joined(run))
+            run = []
+        if m is not None:
+            out.append(m)
+    return out
+
+
+def _joined(steps: list) -> Stepped:
+    news: dict = {}                     # key -> [{sequence id: [tokens, ended]}, pool, done]
+    for step in steps:
+        for key, updates, pool, done in step.reports:
+            n = news.get(key)
+            if n is None:
+                news[key] = [{sid: [list(t), e] for sid, t, e in updates}, pool, done]
+                continue
+            seqs = n[0]
+            for sid, tokens, ended in updates:
+                have = seqs.get(sid)
+                if have is None:
+                    seqs[sid] = [list(tokens), ended]
+                else:
+                    have[0].extend(tokens)
+                    have[1] = ended
+            if pool is not None:
+                n[1] = pool
+            n[2] = n[2] or done
+    admitted: dict = {}
+    for step in reversed(steps):        # the earliest time wins
+        admitted.update(step.admitted)
+    reports = [(key, [(sid, t, e) for sid, (t, e) in seqs.items()], pool, done)
+               for key, (seqs, pool, done) in news.items()]
+    return Stepped(reports, admitted, steps[-1].stats, steps[-1].at)

@@ -26,11 +26,12 @@ import threading
 
 from ..errors import PagedKVError
 from .core import EngineCore, run_core
-from .messages import Dead, Ready, Stop, Stopped
+from .messages import Dead, Ready, Stop, Stopped, merged
 
 __all__ = ["ThreadTransport", "ProcessTransport", "EngineStartError"]
 
 log = logging.getLogger("pagedkv.serve")
+READ_AT_ONCE = 64       # messages the reader takes from the pipe at most before handing on
 
 
 class EngineStartError(PagedKVError):
@@ -160,13 +161,19 @@ class ProcessTransport:
 
     def _read(self, receive) -> None:
         """The reader's thread: every message from the child, in order, until it stops
-        or dies."""
+        or dies. Messages that wait in the pipe are read together (at most
+        ``READ_AT_ONCE``) and consecutive steps handed on as one (:func:`.messages.merged`):
+        a reader that fell behind the core catches up in fewer, larger pieces of work,
+        so the pipe does not fill and hold the engine up."""
         try:
             while True:
-                message = self._conn.recv()
-                receive(message)
-                if isinstance(message, (Stopped, Dead)):
-                    return
+                batch = [self._conn.recv()]
+                while len(batch) < READ_AT_ONCE and self._conn.poll():
+                    batch.append(self._conn.recv())
+                for message in merged(batch):
+                    receive(message)
+                    if isinstance(message, (Stopped, Dead)):
+                        return
         except (EOFError, OSError):
             if not self._ending.is_set():
                 self._proc.join(5)
