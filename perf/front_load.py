@@ -200,8 +200,9 @@ async def stream(port: int, payload: bytes) -> tuple:
             break
         got += data
     writer.close()
-    if b" 200 OK" not in got[:40]:
-        raise RuntimeError(f"the server answered: {bytes(got[:300])!r}")
+    if b" 200 OK" not in got[:40] or b"data: [DONE]" not in got[-64:]:
+        raise RuntimeError(f"the server answered: {bytes(got[:300])!r} ... "
+                           f"{bytes(got[-200:])!r}")
     return got.count(b'"text":"') - got.count(b'"text":""'), len(got)
 
 
