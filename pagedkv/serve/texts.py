@@ -105,11 +105,11 @@ class Texts:
         """Decode what is new in each of the job's sequences, its deltas into ``out``;
         True once every choice has ended (one cut by a stop string ends before its
         sequence)."""
+        choices, ended_now = job.choices, False
         for seq_id, tokens, ended in updates:
-            ch = job.choices.get(seq_id)
+            ch = choices.get(seq_id)
             if ch is None:
-                ch = Choice(len(job.choices), self.tokenizer.decoder())
-                job.choices[seq_id] = ch
+                ch = choices[seq_id] = Choice(len(choices), self.tokenizer.decoder())
             if ch.finish_reason:
                 continue              # cut by a stop string: the rest is not read
             ch.tokens += len(tokens)
@@ -119,16 +119,21 @@ class Texts:
                 ch.finish_reason = "stop"
             elif ended:
                 ch.finish_reason = "stop" if eos else "length"
+            ended_now = ended_now or bool(ch.finish_reason)
             self._send_text(job, ch, out)
-        return len(job.choices) == job.params.n and \
-            all(c.finish_reason for c in job.choices.values())
+        # (a job can only become complete in a call that ended one of its choices)
+        return ended_now and len(choices) == job.params.n and \
+            all(c.finish_reason for c in choices.values())
 
     @staticmethod
     def _extend(ch: Choice, tokens, stops) -> bool:
         """Append the text of ``tokens``; True if a stop string now appears (the text is
         then cut before it). Only the end that could hold a new match is searched."""
         before = len(ch.text)
-        ch.text += "".join(ch.decoder.step(t) for t in tokens)
+        step = ch.decoder.step
+        ch.text += step(tokens[0]) if len(tokens) == 1 else "".join(map(step, tokens))
+        if not stops:
+            return False
         cuts = [i for i in (ch.text.find(s, max(0, before - len(s) + 1)) for s in stops)
                 if i >= 0]
         if cuts:
@@ -143,8 +148,10 @@ class Texts:
             end = len(ch.text)
         elif not job.stream or (ch.sent and ch.tokens - ch.flushed < self.interval):
             return
+        elif job.stop:
+            end = max(ch.sent, len(ch.text) - max(map(len, job.stop)) + 1)
         else:
-            end = max(ch.sent, len(ch.text) - max(map(len, job.stop), default=1) + 1)
+            end = len(ch.text)
         delta, ch.sent = ch.text[ch.sent:end], max(ch.sent, end)
         if delta or ch.finish_reason:
             ch.flushed = ch.tokens
