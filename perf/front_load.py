@@ -91,20 +91,16 @@ class PacingEngine:
 def engine_child(conn, step_s, max_waiting, timed_path) -> None:
     """The engine's process, as :func:`pagedkv.serve.transport._child` runs it, with the
     pacing engine; the core's loop timed: its steps, and its time spent sending."""
+    from pagedkv.config import EngineConfig
     from pagedkv.serve import core as core_mod
     from pagedkv.serve.messages import Ready
-    from pagedkv.config import EngineConfig
+    from pagedkv.serve.transport import pipe_take
     core_mod.pool_counts = lambda manager: {}        # (the stub has no pool)
     core = core_mod.EngineCore(PacingEngine(step_s), max_waiting=max_waiting)
     conn.send(Ready(EngineConfig(num_blocks=8, stop_ids=(2,)), {}, core.stats()))
     timed = dict(send_s=0.0, steps=0, t0=None, t1=None, busy=False)
 
-    def take(wait):
-        out = []
-        if wait is None or conn.poll(wait):
-            while conn.poll():
-                out.append(conn.recv())
-        return out
+    take = pipe_take(conn)
 
     def put(message):
         t = time.perf_counter()

@@ -184,6 +184,18 @@ class ProcessTransport:
             receive(Dead(f"reading from the engine process failed: {exc}"))
 
 
+def pipe_take(conn):
+    """The core's ``take`` over its end of the pipe: every command waiting, after waiting
+    up to ``wait`` seconds for the first (None: not at all)."""
+    def take(wait):
+        out = []
+        if wait is None or conn.poll(wait):
+            while conn.poll():
+                out.append(conn.recv())
+        return out
+    return take
+
+
 def _child(conn, spec, max_waiting, pool_interval, log_level) -> None:
     """The engine's process: make the engine, say it is ready, then serve the pipe."""
     from .start import make_engine
@@ -197,12 +209,7 @@ def _child(conn, spec, max_waiting, pool_interval, log_level) -> None:
     core = EngineCore(engine, max_waiting=max_waiting, pool_interval=pool_interval)
     conn.send(Ready(engine.config, info, core.stats()))
 
-    def take(wait):
-        out = []
-        if wait is None or conn.poll(wait):
-            while conn.poll():
-                out.append(conn.recv())
-        return out
+    take = pipe_take(conn)
     try:
         if not run_core(core, take, conn.send):
             raise SystemExit(1)
