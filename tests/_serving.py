@@ -1,5 +1,5 @@
 """What the server tests share: waiting (bounded) for an idle pool, reading a metric, a core
-that answers at once."""
+that answers at once, a core that answers nothing (the test speaks for it), a job's sink."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -83,3 +83,30 @@ class Instant:
 
     def stop(self, timeout=1.0):
         self.inbox.put(None)
+
+
+class Silent:
+    """A transport whose core takes everything and answers nothing (a stalled engine);
+    the test speaks for the core through ``receive``."""
+
+    def __init__(self):
+        self.sent, self.receive = [], None
+
+    def start(self, receive):
+        self.receive = receive
+        return Ready(EngineConfig(num_blocks=8, stop_ids=(0,)), {}, {"rejected": 0})
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def stop(self, timeout=1.0):
+        pass
+
+
+class Events:
+    def __init__(self):
+        self.events, self.got = [], threading.Event()
+
+    def __call__(self, events):
+        self.events += events
+        self.got.set()

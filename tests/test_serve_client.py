@@ -3,47 +3,20 @@ submit and its cancel, the stream interval, the timings; and the client over a t
 the tiny model's engine, as the HTTP layer uses it."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-from pagedkv.config import EngineConfig, SamplingParams
+from pagedkv.config import SamplingParams
 from pagedkv.serve.client import EngineClient
-from pagedkv.serve.messages import (Answer, Beat, Cancel, Dead, Ready, Stepped, Stop,
-                                    Submit)
+from pagedkv.serve.messages import Answer, Beat, Cancel, Dead, Stepped, Stop, Submit
 from pagedkv.serve.models import ByteTokenizer
 from pagedkv.serve.texts import (Accepted, Delta, Done, Failed, Job, Rejected, Texts,
                                  timings)
 
+from _serving import Events, Silent
+
 TOK = ByteTokenizer()
-
-
-class Silent:
-    """A transport whose core takes everything and answers nothing (a stalled engine);
-    the test speaks for the core through ``receive``."""
-
-    def __init__(self):
-        self.sent, self.receive = [], None
-
-    def start(self, receive):
-        self.receive = receive
-        return Ready(EngineConfig(num_blocks=8, stop_ids=(0,)), {}, {"rejected": 0})
-
-    def send(self, message):
-        self.sent.append(message)
-
-    def stop(self, timeout=1.0):
-        pass
-
-
-class Events:
-    def __init__(self):
-        self.events, self.got = [], threading.Event()
-
-    def __call__(self, events):
-        self.events += events
-        self.got.set()
 
 
 def _job(n=4, stream=True, stop=()):

@@ -9,11 +9,13 @@ from pagedkv.config import SamplingParams
 from pagedkv.serve import transport as transport_mod
 from pagedkv.serve.client import EngineClient
 from pagedkv.serve.messages import Answer, Beat, Stepped, Stopped, merged
+from pagedkv.serve.models import ByteTokenizer
 from pagedkv.serve.texts import Delta, Done, Job
 
-from test_serve_client import TOK, Events, Silent
+from _serving import Events, Silent
 
 SEED = 20261208
+TOK = ByteTokenizer()
 
 
 def _step(reports, admitted=None, stats=None, at=0.0):
