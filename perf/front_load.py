@@ -123,6 +123,8 @@ def engine_child(conn, step_s, max_waiting, timed_path) -> None:
         core_mod.run_core(core, take, put)
     except (EOFError, OSError):
         pass
+    if timed["t1"] is None:                          # stopped before its work was done
+        return
     wall = timed["t1"] - timed["t0"]
     pathlib.Path(timed_path).write_text(json.dumps(dict(
         steps=timed["steps"], wall_s=wall, steps_per_s=timed["steps"] / wall,
