@@ -149,6 +149,8 @@ def serve(args) -> None:
     from pagedkv.serve.transport import ProcessTransport
 
     logging.basicConfig(level=logging.WARNING)
+    if args.switch:
+        sys.setswitchinterval(args.switch)
     raise_open_files_limit()
     served = load("smollm2", model=False)
     transport = ProcessTransport(None, max_waiting=args.streams + 8)
@@ -164,7 +166,11 @@ def serve(args) -> None:
     config = uvicorn.Config(create_app(client, served, limits), log_level="warning",
                             access_log=False, lifespan="off", http=protocol_class(limits),
                             limit_concurrency=args.streams + 64)
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):   # a stop asked for: not raised again after
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+    server = Server(config)
     print(json.dumps({"port": sock.getsockname()[1]}), flush=True)
     prof = cProfile.Profile() if args.profile else None
     if prof:
@@ -219,6 +225,8 @@ def main(argv=None) -> int:
                    help="the core's pace (a step of nano-vllm's workload on the H100: 2.7)")
     p.add_argument("--interval", type=int, default=1, help="the server's --stream-interval")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--switch", type=float, default=0,
+                   help="the server process's sys.setswitchinterval (0: Python's 5 ms)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--timed", help=argparse.SUPPRESS)
