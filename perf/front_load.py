@@ -228,6 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--switch", type=float, default=0,
                    help="the server process's sys.setswitchinterval (0: Python's 5 ms)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--deadline", type=float, default=600,
+                   help="seconds the clients may take in all (then the server is killed)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--timed", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -241,7 +243,8 @@ def main(argv=None) -> int:
     try:
         port = json.loads(proc.stdout.readline())["port"]
         cpu, t = cpu_seconds(proc.pid), time.perf_counter()
-        got = asyncio.run(asyncio.wait_for(clients(port, args.streams, args.tokens), 600))
+        got = asyncio.run(asyncio.wait_for(clients(port, args.streams, args.tokens),
+                                           args.deadline))
         wall, cpu = time.perf_counter() - t, cpu_seconds(proc.pid) - cpu
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)

@@ -15,10 +15,11 @@ import front_load  # noqa: E402
 
 def test_a_small_run_answers_every_stream(tmp_path, capsys):
     out = tmp_path / "load.json"
-    argv = ["--streams", "8", "--tokens", "20", "--step-ms", "2", "--json", str(out)]
+    argv = ["--streams", "8", "--tokens", "20", "--step-ms", "2", "--json", str(out),
+            "--deadline", "60"]
     # on a thread of its own: it runs an event loop, and one may be running on this thread
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        assert pool.submit(front_load.main, argv).result(timeout=120) == 0
+        assert pool.submit(front_load.main, argv).result(timeout=150) == 0
     r = json.loads(out.read_text())
     assert r["steps"] >= 20                 # 20 tokens a stream, one a step
     assert r["tokens_per_chunk"] >= 1 and r["front_cpu_ms_per_step"] > 0
