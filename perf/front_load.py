@@ -72,8 +72,8 @@ class PacingEngine:
 
     def step(self):
         now = time.perf_counter()
-        self.next_at = now if self.next_at is None or self.next_at < now - 0.1 else \
-            self.next_at
+        if self.next_at is None or self.next_at < now - 0.1:   # (the first step, or idle)
+            self.next_at = now
         self.next_at += self.step_s
         for req in list(self.running):
             seq = req.live[0]

@@ -36,7 +36,6 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
 import time
 

@@ -75,7 +75,7 @@ def draw_pool_maps(maps, *, title: str | None = None) -> Figure:
     states = list(POOL_STATES)
     bad = {ch for m in maps for ch in m} - set(states)
     if not maps or bad:
-        raise ValueError(f"draw_pool_maps: nothing to draw" if not maps else
+        raise ValueError("draw_pool_maps: nothing to draw" if not maps else
                          f"draw_pool_maps: unknown characters {sorted(bad)}")
     grid = [[states.index(ch) for ch in m] for m in maps]
     fig = Figure(figsize=(8.5, 2.8), layout="constrained")
